@@ -1,0 +1,79 @@
+"""Running a job from Python: what ``fedaval train`` calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from fedaval.config import RunConfig
+from fedaval.errors import FedavalUsageError
+
+
+def run_training(
+    settings: dict[str, Any] | RunConfig,
+    extra_plugins: list[Any] = (),
+    show_progress: bool = False,
+    echo: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Build a :class:`~fedaval.run.Run` from ``settings`` (the CLI's options
+    or a :class:`RunConfig`), train it, and return results.json's content.
+
+    ``extra_plugins`` are plugin objects registered after ``settings.plugins``
+    (tests use it to add probes). The run folder is ``settings.out``, or a new
+    folder under ``runs/``; an existing folder that holds results is refused,
+    so earlier results are never overwritten."""
+    from fedaval.coordinator import train
+    from fedaval.evaluation import atomic_write_json
+    from fedaval.run import Run, default_out_dir
+
+    config = settings if isinstance(settings, RunConfig) else RunConfig(**settings)
+    out_dir = Path(config.out) if config.out else default_out_dir(config)
+    if (out_dir / "results.json").exists():
+        raise FedavalUsageError(f"--out {str(out_dir)!r} already holds a run (results.json); choose another folder")
+    config.out = str(out_dir)
+    config.validate()
+    run = Run(config, extra_plugins=extra_plugins, out_dir=out_dir)
+    atomic_write_json(out_dir / "config.json", config.to_dict())
+
+    bar = None
+    if show_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=run.total_rounds, unit="round", dynamic_ncols=True)
+
+    def on_round(record: dict[str, Any]) -> None:
+        if bar is None:
+            return
+        bar.set_description(f"task {record['task'] + 1}/{run.num_tasks}")
+        acc = record.get("global_accuracy")
+        if acc is not None:
+            bar.set_postfix(acc=f"{acc:.3f}")
+        bar.update(1)
+
+    try:
+        results = train(run, on_round=on_round)
+    finally:
+        if bar is not None:
+            bar.close()
+    if echo is not None:
+        echo(format_summary(results, out_dir))
+    return results
+
+
+def format_summary(results: dict[str, Any], out_dir: Path) -> str:
+    final = results["final"] or {}
+
+    def pct(value):
+        return "n/a" if value is None else f"{100 * value:.2f}%"
+
+    lines = [
+        f"plugins: {', '.join(results['plugins'])}   scenario: {results['config']['scenario']}"
+        f"   dataset: {results['config']['dataset']}   tasks: {results['scenario']['num_tasks']}"
+        f"   rounds: {final.get('rounds')}",
+        f"final global accuracy: {pct(final.get('accuracy'))}   average accuracy: {pct(final.get('average_accuracy'))}"
+        f"   forgetting: {pct(final.get('forgetting'))}   mean client accuracy: {pct(final.get('mean_client_accuracy'))}",
+        f"bytes up: {final.get('bytes_up', 0):,}   bytes down: {final.get('bytes_down', 0):,}"
+        f"   seconds: {final.get('seconds', 0):.1f}",
+        f"run folder: {out_dir}  (tensorboard --logdir {out_dir / 'tb'})",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""The resolved configuration of a run (written to ``config.json``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedaval.errors import FedavalUsageError
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run. Plugin and scenario options are kept raw
+    here (as the user gave them) and validated by their owners."""
+
+    plugins: list[str] = field(default_factory=lambda: ["fedavg"])
+    plugin_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    scenario: str = "fcil-sync"
+    scenario_options: dict[str, Any] = field(default_factory=dict)
+    dataset: str = "digits"
+    data_root: str | None = None
+    download: bool = False
+    model: str = "auto"
+    rounds_per_task: int = 3
+    local_epochs: int = 1
+    clients_per_round: int = 0
+    batch_size: int = 32
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 1e-4
+    eval_every: int = 1
+    device: str = "auto"
+    seed: int = 0
+    out: str | None = None
+
+    def validate(self) -> None:
+        """One-line errors for values no run can use."""
+        checks = [
+            ("--rounds-per-task", self.rounds_per_task, self.rounds_per_task >= 1, ">= 1"),
+            ("--local-epochs", self.local_epochs, self.local_epochs >= 1, ">= 1"),
+            ("--clients-per-round", self.clients_per_round, self.clients_per_round >= 0, ">= 0 (0: all)"),
+            ("--batch-size", self.batch_size, self.batch_size >= 1, ">= 1"),
+            ("--lr", self.lr, self.lr > 0, "> 0"),
+            ("--momentum", self.momentum, 0 <= self.momentum < 1, "in [0, 1)"),
+            ("--weight-decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+            ("--eval-every", self.eval_every, self.eval_every >= 1, ">= 1"),
+        ]
+        for flag, value, ok, allowed in checks:
+            if not ok:
+                raise FedavalUsageError(f"bad value {flag} {value}; must be {allowed}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,164 @@
+"""The federated loop: tasks, rounds, sampled clients, fusion, evaluation."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from fedaval.evaluation import STREAM_ACC, STREAM_BWT, STREAM_FORGETTING, atomic_write_json, exp_acc_key, scalar, summarise
+from fedaval.payload import Upload, merge_entries, payload_nbytes
+from fedaval.run import Run
+
+
+def run_round(run: Run, round: int) -> dict[str, Any]:
+    """One federated round. The order of hook calls, in one place:
+
+    1. server: ``download = {"weights": shared global weights, **extras}``
+    2. for each client sampled this round, in id order:
+
+       a. the core loads ``download["weights"]`` into the client's shared keys;
+          ``fedaval_client_receive(run, client, download)``
+       b. ``fedaval_local_train(run, client, round)`` - the core's default runs
+          the client's Avalanche strategy once, which calls, through
+          :class:`fedaval.strategy.HookBridge`:
+
+          - ``fedaval_task_start(run, client, task)``: only in the client's
+            first round of the task
+          - per local epoch ``fedaval_local_epoch_start(run, client, epoch)``;
+            per minibatch ``fedaval_classify(..., training=True)``, then
+            ``fedaval_local_loss(run, client, batch)``
+          - ``fedaval_task_end(run, client, task)``: only in the client's last
+            round of the task
+
+       c. ``fedaval_client_upload(run, client)`` -> the client's :class:`Upload`
+
+    3. server: ``fedaval_fuse_weights(run, uploads, global_weights)`` (FedAvg by
+       default), loaded into the global model; then
+       ``fedaval_server_fuse(run, uploads, round)``, whose entries join the next
+       download
+    4. on the evaluation schedule: the global model and the clients trained
+       since their last evaluation are evaluated with Avalanche's metrics
+       (``fedaval_classify(..., training=False)``); then
+       ``fedaval_round_metrics(run, round)``
+
+    Rounds are numbered from 1. Set-up hooks (``fedaval_setup``,
+    ``fedaval_make_model``, ``fedaval_shared_keys``,
+    ``fedaval_avalanche_plugins``) run once, before round 1.
+    """
+    hook = run.hook
+    start = time.perf_counter()
+    run.round = round
+    sampled = [run.clients[k] for k in run.schedule[round - 1]]
+    download = run.server.download()
+    bytes_down = payload_nbytes(download) * len(sampled)
+    uploads: list[Upload] = []
+    losses: dict[str, list[float]] = {}
+    run.timer.seconds = 0.0
+    for client in sampled:
+        client.receive(download)
+        for name, value in (hook.fedaval_local_train(run=run, client=client, round=round) or {}).items():
+            losses.setdefault(name, []).append(value)
+        entries = merge_entries(hook.fedaval_client_upload(run=run, client=client), "upload")
+        uploads.append(Upload(client.id, client.num_samples(), entries))
+    seconds_local = run.timer.seconds
+    fuse_start = time.perf_counter()
+    run.server.fuse(uploads, round)
+    seconds_fusion = time.perf_counter() - fuse_start
+
+    task_end = round == run.rounds_of_task(run.task)[-1]
+    record: dict[str, Any] = {
+        "task": run.task,
+        "round": round,
+        "task_end": task_end,
+        "clients": [c.id for c in sampled],
+        "bytes_up": sum(u.nbytes for u in uploads),
+        "bytes_down": bytes_down,
+        "losses": {name: sum(v) / len(v) for name, v in losses.items()},
+    }
+    eval_start = time.perf_counter()
+    if task_end or round % run.config.eval_every == 0 or round == run.total_rounds:
+        record.update(evaluate(run, round))
+        for extra in hook.fedaval_round_metrics(run=run, round=round):
+            record.update(extra or {})
+    record["seconds_local"] = seconds_local
+    record["seconds_fusion"] = seconds_fusion
+    record["seconds_eval"] = time.perf_counter() - eval_start
+    record["seconds"] = time.perf_counter() - start
+    return record
+
+
+def evaluate(run: Run, round: int) -> dict[str, Any]:
+    """Global model on every class the federation has seen; each client's
+    model on its own seen classes (clients not trained since their last
+    evaluation keep their last result)."""
+    metrics = run.server.evaluate()
+    per_task = [scalar(metrics, exp_acc_key(t)) for t in range(run.task + 1)]
+    client_acc = {}
+    for client in run.clients:
+        if not client.tasks_started:
+            continue
+        if client.trained_at > client.evaluated_at:
+            client.evaluate()
+            client.evaluated_at = round
+        if client.last_eval:
+            client_acc[client.id] = scalar(client.last_eval, STREAM_ACC)
+    values = [v for v in client_acc.values() if v is not None]
+    return {
+        "global_accuracy": scalar(metrics, STREAM_ACC),
+        "global_task_accuracy": per_task,
+        "forgetting": scalar(metrics, STREAM_FORGETTING),
+        "bwt": scalar(metrics, STREAM_BWT),
+        "client_accuracy": {str(k): v for k, v in client_acc.items()},
+        "mean_client_accuracy": sum(values) / len(values) if values else None,
+    }
+
+
+def train(run: Run, on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run every task and round; write results.json (if the run has an output
+    folder) after each round, so an interrupted run keeps what it finished."""
+    results: dict[str, Any] = {
+        "config": run.config.to_dict(),
+        "scenario": {
+            "num_tasks": run.num_tasks,
+            "federation_task_classes": run.federation_task_classes(),
+            "client_task_classes": [c.classes for c in run.partition.clients],
+            "client_task_samples": [[len(i) for i in c.indices] for c in run.partition.clients],
+        },
+        "plugins": run.plugins.names,
+        "rounds": [],
+        "tasks": [],
+        "final": None,
+    }
+    matrix: list[list[float | None]] = []
+    for task in range(run.num_tasks):
+        run.task = task
+        run.server.begin_task(task)
+        for round in run.rounds_of_task(task):
+            record = run_round(run, round)
+            results["rounds"].append(record)
+            if record["task_end"]:
+                row = record.get("global_task_accuracy", [])
+                matrix.append(row)
+                results["tasks"].append({"task": task, "accuracy": row, "global_accuracy": record.get("global_accuracy")})
+            results["final"] = summarise(results["rounds"], matrix)
+            log_round(run, record)
+            if run.out_dir is not None:
+                atomic_write_json(run.out_dir / "results.json", results)
+            if on_round is not None:
+                on_round(record)
+    return results
+
+
+def log_round(run: Run, record: dict[str, Any]) -> None:
+    """Round-level figures to TensorBoard, next to Avalanche's metrics."""
+    logger = run.server.strategy.evaluator.loggers
+    if not logger:
+        return
+    writer = logger[0].writer
+    step = record["round"]
+    for key in ("bytes_up", "bytes_down", "seconds", "seconds_local", "seconds_fusion", "mean_client_accuracy"):
+        if record.get(key) is not None:
+            writer.add_scalar(f"Fed/{key}", record[key], step)
+    for name, value in record["losses"].items():
+        writer.add_scalar(f"Fed/{name}", value, step)
+    writer.flush()

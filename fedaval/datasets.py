@@ -1,0 +1,251 @@
+"""Datasets, loaded once into memory as tensors.
+
+``digits`` is scikit-learn's bundled copy (no download, the default). The
+torchvision datasets read ``--data-root`` and download only with
+``--download``. ``imagefolder`` reads any ``train/<class>/`` and
+``test/<class>/`` tree; ``tiny-imagenet`` the standard ``tiny-imagenet-200/``
+layout. Decoded image folders are cached as tensors under
+``$FEDAVAL_CACHE`` (default ``~/.cache/fedaval``) so a second run skips JPEG
+decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from fedaval.errors import FedavalUsageError, choice_error
+
+
+@dataclass
+class ImageData:
+    """A dataset in memory: images ``[N, C, H, W]`` (uint8 0..255, or float
+    already in [0, 1]) and int64 labels, for train and test."""
+
+    name: str
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    class_names: list[str]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return tuple(self.train_x.shape[1:])  # type: ignore[return-value]
+
+
+class TensorImageDataset(Dataset):
+    """Samples ``(normalised float image, label)`` from an :class:`ImageData`
+    split, restricted to ``indices``. ``targets`` is what Avalanche reads."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, indices, mean, std):
+        index = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        self.images = images[index]
+        self.targets = labels[index].tolist()
+        self._labels = labels[index]
+        self._scale = 255.0 if images.dtype == torch.uint8 else 1.0
+        self._mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self._std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i):
+        x = self.images[i].float().div_(self._scale).sub_(self._mean).div_(self._std)
+        return x, self._labels[i]
+
+
+def _digits(root: Path | None, download: bool) -> ImageData:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.images / 16.0, dtype=torch.float32).unsqueeze(1)
+    y = torch.tensor(bunch.target, dtype=torch.int64)
+    # A fixed, stratified 70/30 split: part of the dataset, not of the run's seed.
+    tr, te = train_test_split(np.arange(len(y)), test_size=0.3, random_state=0, stratify=bunch.target)
+    return ImageData(
+        "digits", x[tr], y[tr], x[te], y[te], [str(i) for i in range(10)], mean=(0.305,), std=(0.380,)
+    )
+
+
+def _need_root(root: Path | None, name: str) -> Path:
+    if root is None:
+        raise FedavalUsageError(f"dataset {name!r} needs --data-root (a folder holding it, or one to download into)")
+    return root
+
+
+def _torchvision(name: str, cls_name: str, mean, std) -> Callable[[Path | None, bool], ImageData]:
+    def load(root: Path | None, download: bool) -> ImageData:
+        import torchvision
+
+        root = _need_root(root, name)
+        cls = getattr(torchvision.datasets, cls_name)
+        try:
+            train = cls(str(root), train=True, download=download)
+            test = cls(str(root), train=False, download=download)
+        except RuntimeError as exc:
+            raise FedavalUsageError(
+                f"dataset {name!r} not found or corrupt under --data-root {str(root)!r} ({exc}); "
+                f"pass --download to fetch it"
+            ) from None
+
+        def tensors(ds):
+            data = ds.data
+            data = torch.as_tensor(np.asarray(data))
+            data = data.unsqueeze(1) if data.ndim == 3 else data.permute(0, 3, 1, 2)
+            return data.contiguous(), torch.as_tensor(np.asarray(ds.targets), dtype=torch.int64)
+
+        tx, ty = tensors(train)
+        vx, vy = tensors(test)
+        return ImageData(name, tx, ty, vx, vy, list(train.classes), mean, std)
+
+    return load
+
+
+def _cache_path(kind: str, root: Path) -> Path:
+    cache = Path(os.environ.get("FEDAVAL_CACHE", Path.home() / ".cache" / "fedaval"))
+    stamp = f"{root.resolve()}:{root.stat().st_mtime_ns}"
+    return cache / f"{kind}-{hashlib.sha1(stamp.encode()).hexdigest()[:16]}.pt"
+
+
+def _decode(paths: list[str], size: tuple[int, int] | None) -> torch.Tensor:
+    from PIL import Image
+
+    out = None
+    for i, path in enumerate(paths):
+        try:
+            with Image.open(path) as img:
+                img = img.convert("RGB")
+                if size is None:
+                    size = img.size
+                if img.size != size:
+                    img = img.resize(size)
+                arr = np.asarray(img, dtype=np.uint8)
+        except OSError as exc:
+            raise FedavalUsageError(f"cannot read image {path!r}: {exc}") from None
+        if out is None:
+            out = torch.empty((len(paths), 3, arr.shape[0], arr.shape[1]), dtype=torch.uint8)
+        out[i] = torch.from_numpy(arr).permute(2, 0, 1)
+    if out is None:
+        raise FedavalUsageError("no images found")
+    return out
+
+
+def _load_cached(kind: str, root: Path, build: Callable[[], dict]) -> dict:
+    path = _cache_path(kind, root)
+    if path.exists():
+        try:
+            return torch.load(path, weights_only=True)
+        except Exception:  # a torn or stale cache is rebuilt
+            pass
+    data = build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(data, tmp)
+    os.replace(tmp, path)
+    return data
+
+
+def _imagefolder(root: Path | None, download: bool) -> ImageData:
+    root = _need_root(root, "imagefolder")
+    for split in ("train", "test"):
+        if not (root / split).is_dir():
+            raise FedavalUsageError(
+                f"--data-root {str(root)!r} has no {split}/ folder; imagefolder expects train/<class>/ and test/<class>/"
+            )
+    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    if not classes:
+        raise FedavalUsageError(f"--data-root {str(root)!r}: train/ holds no class folders")
+
+    def build() -> dict:
+        from torchvision.datasets import ImageFolder
+
+        result = {}
+        size = None
+        for split in ("train", "test"):
+            folder = ImageFolder(str(root / split))
+            if folder.classes != classes:
+                raise FedavalUsageError(
+                    f"--data-root {str(root)!r}: test/ classes {folder.classes} differ from train/ classes {classes}"
+                )
+            x = _decode([p for p, _ in folder.samples], size)
+            size = (x.shape[3], x.shape[2])
+            result[split + "_x"] = x
+            result[split + "_y"] = torch.tensor(folder.targets, dtype=torch.int64)
+        return result
+
+    data = _load_cached("imagefolder", root, build)
+    mean = tuple((data["train_x"].float().mean(dim=(0, 2, 3)) / 255).tolist())
+    std = tuple((data["train_x"].float().std(dim=(0, 2, 3)) / 255).tolist())
+    return ImageData("imagefolder", data["train_x"], data["train_y"], data["test_x"], data["test_y"], classes, mean, std)
+
+
+def _tiny_imagenet(root: Path | None, download: bool) -> ImageData:
+    root = _need_root(root, "tiny-imagenet")
+    base = root / "tiny-imagenet-200" if (root / "tiny-imagenet-200").is_dir() else root
+    if not (base / "wnids.txt").is_file() or not (base / "val" / "val_annotations.txt").is_file():
+        raise FedavalUsageError(
+            f"--data-root {str(root)!r} is not a tiny-imagenet-200 folder (needs wnids.txt, train/, val/val_annotations.txt)"
+        )
+    wnids = (base / "wnids.txt").read_text().split()
+    index = {w: i for i, w in enumerate(wnids)}
+
+    def build() -> dict:
+        train_paths, train_y = [], []
+        for w in wnids:
+            for p in sorted((base / "train" / w / "images").glob("*.JPEG")):
+                train_paths.append(str(p))
+                train_y.append(index[w])
+        val_paths, val_y = [], []
+        for line in (base / "val" / "val_annotations.txt").read_text().splitlines():
+            parts = line.split("\t")
+            if len(parts) >= 2:
+                val_paths.append(str(base / "val" / "images" / parts[0]))
+                val_y.append(index[parts[1]])
+        return {
+            "train_x": _decode(train_paths, (64, 64)),
+            "train_y": torch.tensor(train_y),
+            "test_x": _decode(val_paths, (64, 64)),
+            "test_y": torch.tensor(val_y),
+        }
+
+    data = _load_cached("tiny-imagenet", base, build)
+    return ImageData(
+        "tiny-imagenet", data["train_x"], data["train_y"], data["test_x"], data["test_y"], wnids,
+        mean=(0.480, 0.448, 0.398), std=(0.277, 0.269, 0.282),
+    )
+
+
+DATASETS: dict[str, Callable[[Path | None, bool], ImageData]] = {
+    "digits": _digits,
+    "mnist": _torchvision("mnist", "MNIST", (0.1307,), (0.3081,)),
+    "fashion-mnist": _torchvision("fashion-mnist", "FashionMNIST", (0.2860,), (0.3530,)),
+    "cifar10": _torchvision("cifar10", "CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": _torchvision("cifar100", "CIFAR100", (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "tiny-imagenet": _tiny_imagenet,
+    "imagefolder": _imagefolder,
+}
+
+
+def load_dataset(name: str, root: str | Path | None = None, download: bool = False) -> ImageData:
+    """Load dataset ``name``; a missing or unreadable root is a one-line error."""
+    if name not in DATASETS:
+        raise choice_error("dataset", name, sorted(DATASETS))
+    path = Path(root).expanduser() if root else None
+    if path is not None and not path.exists() and not download:
+        raise FedavalUsageError(f"--data-root {str(path)!r} does not exist")
+    return DATASETS[name](path, download)

@@ -1,0 +1,200 @@
+"""Hook specifications: everything a method plugin can do.
+
+A method is a class whose methods are marked with :data:`fedaval.hookimpl`
+and carry the names below. One plugin object owns both halves of its method
+(client and server) and the state that goes with them.
+
+Arguments are passed by name; an implementation may accept any subset of them.
+``run`` is the :class:`fedaval.run.Run` of the job (config, scenario, device,
+server, clients); ``client`` is a :class:`fedaval.client.Client`.
+
+The order in which the hooks are called during one round is documented once,
+in :func:`fedaval.coordinator.run_round`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from fedaval import PROJECT_NAME
+
+if TYPE_CHECKING:  # pragma: no cover - type hints only
+    import torch
+    from torch import nn
+
+    from fedaval.client import Batch, Client
+    from fedaval.payload import Upload
+    from fedaval.run import Run
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+
+
+# ---------------------------------------------------------------------------
+# set-up: once per run
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def fedaval_setup(run: Run) -> None:
+    """Called once, after every plugin is registered and the scenario is built,
+    before any model exists. Plugins read ``run.config``, ``run.scenario`` and
+    ``run.num_classes`` here and prepare their state. Return value ignored."""
+
+
+@hookspec(firstresult=True)
+def fedaval_make_model(run: Run, client_id: int | None) -> nn.Module | None:
+    """Build the model of client ``client_id`` (``None``: the server's global
+    model). Called once per client at set-up, never again: client models live
+    for the whole run.
+
+    Return a :class:`fedaval.models.SplitModel` (a feature extractor and a
+    classifier), any ``nn.Module`` that :func:`fedaval.models.split_model`
+    can split, or ``None`` to defer. Stops at the first non-None result; the
+    core's default (``--model``) is registered ``trylast``. Clients of one run
+    may get different architectures (methods that average no weights allow it).
+    """
+
+
+@hookspec(firstresult=True)
+def fedaval_shared_keys(run: Run, model: nn.Module) -> list[str] | None:
+    """Which entries of ``model.state_dict()`` are shared with the server: the
+    client uploads them and loads them back from the download. Everything else
+    (a personalised head, say) never leaves the client.
+
+    Stops at the first non-None result. FedAvg's default (``trylast``) shares
+    every floating-point entry. Return ``[]`` for a method that averages no
+    weights at all (prototypes only).
+    """
+
+
+@hookspec
+def fedaval_avalanche_plugins(run: Run, client: Client) -> list[Any] | None:
+    """Avalanche training plugins (``SupervisedPlugin`` instances) to attach to
+    ``client``'s strategy. Called once per client at set-up; all results are
+    concatenated. Attached plugins see one Avalanche experience per *task*:
+    their ``before_training_exp`` runs at the task's first round and their
+    ``after_training_exp`` at its last (see :mod:`fedaval.strategy`)."""
+
+
+# ---------------------------------------------------------------------------
+# client round: on every sampled client, in the order of the client list
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def fedaval_client_receive(run: Run, client: Client, download: dict[str, Any]) -> None:
+    """The server's broadcast reaches ``client`` before its local training.
+
+    The core has already loaded ``download["weights"]`` (if any) into the
+    client's shared keys; plugins take the other entries they put there in
+    :func:`fedaval_server_fuse` (global prototypes, say). Every plugin is
+    called; return value ignored."""
+
+
+@hookspec
+def fedaval_task_start(run: Run, client: Client, task: int) -> None:
+    """``client`` starts task ``task`` (0-based): called once per task, at the
+    first round the client trains on it, after Avalanche has built the task's
+    dataloader and optimizer. Every plugin is called."""
+
+
+@hookspec
+def fedaval_local_epoch_start(run: Run, client: Client, epoch: int) -> None:
+    """Before local epoch ``epoch`` (0-based, restarts every round) of
+    ``client``. Methods that alternate what is trained (shared body, then
+    personal head) switch ``requires_grad`` here. Every plugin is called."""
+
+
+@hookspec(firstresult=True)
+def fedaval_classify(
+    run: Run, owner: int | None, model: nn.Module, features: torch.Tensor, training: bool
+) -> torch.Tensor | None:
+    """Turn ``features`` (output of ``model.features``) into class scores for
+    ``owner`` (a client id, or ``None`` for the global model), in training
+    (``training=True``, scores feed the cross-entropy) and evaluation.
+
+    Stops at the first non-None result; ``None`` everywhere means
+    ``model.classifier(features)``. Nearest-prototype and prototype-distance
+    classifiers live here."""
+
+
+@hookspec
+def fedaval_local_loss(run: Run, client: Client, batch: Batch) -> dict[str, torch.Tensor] | None:
+    """Extra loss terms for one minibatch of ``client``'s local training.
+
+    ``batch`` holds ``x``, ``y``, ``features`` (the model's features of ``x``,
+    already computed), ``logits`` and ``loss`` (the classification loss).
+    Return ``{name: scalar tensor}``, weights already applied. Every plugin is
+    called; all terms are summed into the loss, and each is logged under its
+    name (a name may come from one plugin only). Do not modify ``batch``."""
+
+
+@hookspec
+def fedaval_task_end(run: Run, client: Client, task: int) -> None:
+    """``client`` finished task ``task``: called once per task, after the last
+    round in which the client trains on it and before that round's upload.
+    Prototype consolidation, teacher snapshots and memory updates go here.
+    Every plugin is called."""
+
+
+@hookspec(firstresult=True)
+def fedaval_local_train(run: Run, client: Client, round: int) -> dict[str, float] | None:
+    """Run ``client``'s local training for global round ``round`` (1-based).
+
+    The core's implementation (``trylast``) calls the client's Avalanche
+    strategy once. Returns the mean of every loss term over the round. A
+    ``wrapper=True`` implementation can time or guard the call. Stops at the
+    first non-None result."""
+
+
+# ---------------------------------------------------------------------------
+# upload: after local training, on every sampled client
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def fedaval_client_upload(run: Run, client: Client) -> dict[str, Any] | None:
+    """What ``client`` sends to the server after local training, as
+    ``{entry: payload}`` where payloads are tensors, numbers or nested dicts
+    and lists of them. All plugins' entries are merged into one upload (an
+    entry name may come from one plugin only); the bytes sent are counted from
+    these tensors. FedAvg contributes ``"weights"`` (the shared keys)."""
+
+
+# ---------------------------------------------------------------------------
+# server fusion: once per round, on the server
+# ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def fedaval_fuse_weights(
+    run: Run, uploads: list[Upload], global_weights: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor] | None:
+    """Combine the uploaded ``"weights"`` into new global weights.
+
+    ``global_weights`` is the current global state of the shared keys. Return
+    the new values of (some of) those keys. Stops at the first non-None
+    result; FedAvg's sample-weighted mean is registered ``trylast``, so a
+    method overrides it by implementing this hook."""
+
+
+@hookspec
+def fedaval_server_fuse(run: Run, uploads: list[Upload], round: int) -> dict[str, Any] | None:
+    """Fuse everything except the weights (prototypes, class statistics), after
+    the fused weights are loaded into ``run.server.model``. May also change
+    the global model (re-train its classifier, say). Return entries to add to
+    the broadcast that every client receives next round. Every plugin is
+    called; entries are merged (one plugin per entry name)."""
+
+
+# ---------------------------------------------------------------------------
+# evaluation: after a round's evaluation
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def fedaval_round_metrics(run: Run, round: int) -> dict[str, float] | None:
+    """Extra scalar metrics for round ``round``, recorded in results.json and
+    TensorBoard next to the core's. Every plugin is called; dicts are merged."""

@@ -1,0 +1,120 @@
+"""Models, always seen as a feature extractor followed by a classifier.
+
+Prototype methods need the features; personalised methods keep the head
+local. :class:`SplitModel` makes that split explicit, and
+:func:`split_model` turns a usual torchvision-style model (last layer
+``fc``, ``classifier`` or ``head``) into one.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+
+from fedaval.errors import choice_error
+
+
+class SplitModel(nn.Module):
+    """``classifier(features(x))``. ``feature_dim`` is the width of the features."""
+
+    def __init__(self, features: nn.Module, classifier: nn.Module, feature_dim: int):
+        super().__init__()
+        self.features = features
+        self.classifier = classifier
+        self.feature_dim = feature_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+    def classifier_keys(self) -> list[str]:
+        """state_dict keys of the classifier (the personal head of FedRep/GLDP)."""
+        return ["classifier." + k for k in self.classifier.state_dict()]
+
+
+def split_model(model: nn.Module) -> SplitModel:
+    """Split ``model`` at its last linear layer (attribute ``fc``,
+    ``classifier`` or ``head``); a :class:`SplitModel` is returned as it is."""
+    if isinstance(model, SplitModel):
+        return model
+    for attr in ("fc", "classifier", "head"):
+        layer = getattr(model, attr, None)
+        if isinstance(layer, nn.Sequential) and len(layer) and isinstance(layer[-1], nn.Linear):
+            layer = layer[-1]
+            body = copy.copy(model)
+            setattr(body, attr, nn.Sequential(*list(getattr(model, attr))[:-1]))
+            return SplitModel(body, layer, layer.in_features)
+        if isinstance(layer, nn.Linear):
+            body = copy.copy(model)
+            setattr(body, attr, nn.Identity())
+            return SplitModel(body, layer, layer.in_features)
+    raise ValueError(
+        f"cannot split a {type(model).__name__}: it has no last linear layer named fc, classifier or head"
+    )
+
+
+def mlp(input_shape, num_classes: int, hidden: int = 128, feature_dim: int = 64) -> SplitModel:
+    """Two hidden layers; the default for ``digits``."""
+    in_dim = 1
+    for d in input_shape:
+        in_dim *= d
+    features = nn.Sequential(
+        nn.Flatten(), nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, feature_dim), nn.ReLU()
+    )
+    return SplitModel(features, nn.Linear(feature_dim, num_classes), feature_dim)
+
+
+def cnn(input_shape, num_classes: int, width: int = 32, feature_dim: int = 128) -> SplitModel:
+    """A small convolutional net for any image size (global average pooling)."""
+    channels = input_shape[0]
+    features = nn.Sequential(
+        nn.Conv2d(channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(2 * width, feature_dim, 3, padding=1), nn.BatchNorm2d(feature_dim), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    )
+    return SplitModel(features, nn.Linear(feature_dim, num_classes), feature_dim)
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def resnet18(input_shape, num_classes: int) -> SplitModel:
+    """ResNet-18 with the CIFAR stem (3x3 conv, stride 1, no max-pool), as the
+    papers use; 512-d features."""
+    layers: list[nn.Module] = [
+        nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()
+    ]
+    cin = 64
+    for cout, stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
+        layers += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+    return SplitModel(nn.Sequential(*layers), nn.Linear(512, num_classes), 512)
+
+
+MODELS: dict[str, Callable[..., SplitModel]] = {"mlp": mlp, "cnn": cnn, "resnet18": resnet18}
+
+
+def build_model(name: str, input_shape, num_classes: int) -> SplitModel:
+    """``name`` in :data:`MODELS`; ``auto`` is ``mlp`` for 8x8 inputs, else ``cnn``."""
+    if name == "auto":
+        name = "mlp" if input_shape[-1] <= 8 else "cnn"
+    if name not in MODELS:
+        raise choice_error("model", name, ["auto"] + sorted(MODELS))
+    return MODELS[name](input_shape, num_classes)

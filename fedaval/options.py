@@ -1,0 +1,143 @@
+"""Typed, validated options for plugins and scenarios.
+
+A plugin declares ``Options`` as a dataclass; users set fields with
+``-o name.key=value``. Unknown keys and values that do not parse are errors
+that name the value and what is allowed (llm's ``Options`` with
+``extra="forbid"``, without the pydantic dependency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from fedaval.errors import FedavalUsageError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + "|".join(str(a) for a in get_args(tp))
+    if get_origin(tp) in (list, tuple):
+        return f"comma-separated {_type_name(get_args(tp)[0])}s"
+    if get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(tp: Any, raw: Any) -> Any:
+    """Convert ``raw`` (a string from the command line, or an already typed
+    value) to type ``tp``. Raises ``ValueError`` when it does not fit."""
+    origin = get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "")):
+            return None
+        for arg in args:
+            try:
+                return coerce(arg, raw)
+            except ValueError:
+                continue
+        raise ValueError(raw)
+    if origin is Literal:
+        for choice in get_args(tp):
+            if str(choice) == str(raw):
+                return choice
+        raise ValueError(raw)
+    if origin in (list, tuple):
+        (inner,) = get_args(tp)[:1]
+        items = raw.split(",") if isinstance(raw, str) else list(raw)
+        return [coerce(inner, item.strip() if isinstance(item, str) else item) for item in items]
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in _TRUE:
+            return True
+        if str(raw).lower() in _FALSE:
+            return False
+        raise ValueError(raw)
+    if tp is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError(raw)
+        return int(raw) if not isinstance(raw, str) else int(raw.strip())
+    if tp is float:
+        value = float(raw)
+        if value != value:  # NaN
+            raise ValueError(raw)
+        return value
+    if tp is str:
+        return str(raw)
+    raise ValueError(raw)
+
+
+def build_options(options_cls: type, values: dict[str, Any], owner: str) -> Any:
+    """Instantiate dataclass ``options_cls`` from ``values`` (strings allowed).
+
+    ``owner`` names the plugin or scenario in error messages. Each field may
+    carry ``metadata={"check": fn, "help": text}``; ``fn(value)`` returns an
+    error text (what is allowed) or ``None``.
+    """
+    fields = {f.name: f for f in dataclasses.fields(options_cls)}
+    hints = typing.get_type_hints(options_cls)
+    kwargs = {}
+    for key, raw in values.items():
+        if key not in fields:
+            allowed = ", ".join(sorted(fields)) or "(this one takes no options)"
+            raise FedavalUsageError(f"unknown option {owner}.{key}; allowed: {allowed}")
+        try:
+            kwargs[key] = coerce(hints[key], raw)
+        except (ValueError, TypeError):
+            raise FedavalUsageError(
+                f"bad value {owner}.{key}={raw!r}; expected {_type_name(hints[key])}"
+            ) from None
+    instance = options_cls(**kwargs)
+    for name, field in fields.items():
+        check = field.metadata.get("check")
+        if check is None:
+            continue
+        problem = check(getattr(instance, name))
+        if problem:
+            raise FedavalUsageError(
+                f"bad value {owner}.{name}={getattr(instance, name)!r}; {problem}"
+            )
+    return instance
+
+
+def describe_options(options_cls: type | None) -> list[tuple[str, str, str, str]]:
+    """(name, type, default, help) for each field, for ``fedaval plugins``."""
+    if options_cls is None:
+        return []
+    hints = typing.get_type_hints(options_cls)
+    rows = []
+    for field in dataclasses.fields(options_cls):
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = field.default_factory()  # type: ignore[misc]
+        else:
+            default = "(required)"
+        rows.append((field.name, _type_name(hints[field.name]), repr(default), field.metadata.get("help", "")))
+    return rows
+
+
+# Small, reusable checks for field metadata.
+def positive(value: float) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def non_negative(value: float) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
+def unit_interval(value: float) -> str | None:
+    return None if 0 <= value <= 1 else "must be in [0, 1]"
+
+
+def option(default: Any, help: str, check=None) -> Any:
+    """A dataclass field with help text and an optional check."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, "check": check})
+    return dataclasses.field(default=default, metadata={"help": help, "check": check})

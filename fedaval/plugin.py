@@ -1,0 +1,33 @@
+"""Base class for method plugins (optional: any object with hooks will do)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar
+
+
+class Plugin:
+    """A method: its options, its state, and its hook implementations.
+
+    Subclasses set ``name`` (the ``--plugins`` and ``-o name.key`` prefix),
+    ``description`` (one line, shown by ``fedaval plugins``) and, if they take
+    options, a dataclass ``Options``. State kept on the instance is saved by
+    :meth:`state_dict` (every attribute except ``options``), so checkpoints
+    need no per-plugin code unless a plugin holds something unpicklable.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Options: ClassVar[type | None] = None
+
+    def __init__(self, options: Any = None):
+        if options is None and self.Options is not None:
+            options = self.Options()
+        self.options = options
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: copy.deepcopy(v) for k, v in vars(self).items() if k != "options"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)

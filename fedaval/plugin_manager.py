@@ -1,0 +1,145 @@
+"""Finding, loading and registering plugins.
+
+Built-in methods and third-party ones take one path: an entry point in the
+``fedaval.plugins`` group (``--plugins gldp``), or an import path
+(``--plugins mypkg.mymethod:Plugin``). A plugin manager is made per run by
+:func:`get_plugin_manager`; nothing is registered at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from fedaval import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
+from fedaval.errors import FedavalUsageError, choice_error
+from fedaval.options import build_options
+
+DEFAULT_PLUGINS = ("fedavg",)
+"""Registered in every run, whatever ``--plugins`` says. Their hooks are
+``trylast`` defaults that a method overrides."""
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """A fresh plugin manager with fedaval's hook specs and nothing registered."""
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def installed_plugins() -> dict[str, Any]:
+    """Entry points of group ``fedaval.plugins`` by name (nothing imported)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def split_plugin_specs(values: tuple[str, ...] | list[str]) -> list[str]:
+    """``("gldp,fedprox", "x")`` -> ``["gldp", "fedprox", "x"]``, order kept, no duplicates."""
+    names: list[str] = []
+    for value in values:
+        for part in value.split(","):
+            part = part.strip()
+            if part and part not in names:
+                names.append(part)
+    return names
+
+
+def resolve_plugin(spec: str) -> tuple[str, Any]:
+    """Find the plugin class (or module) that ``spec`` names.
+
+    ``spec`` is an entry-point name or ``package.module:Attribute``. Returns
+    ``(name, object)``; the name is the one users prefix options with."""
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise FedavalUsageError(f"cannot import plugin module {module_name!r} from {spec!r}: {exc}") from None
+        try:
+            obj = getattr(module, attr)
+        except AttributeError:
+            raise FedavalUsageError(f"plugin {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+        return plugin_name(obj, default=attr.lower()), obj
+    installed = installed_plugins()
+    if spec not in installed:
+        raise choice_error("plugin", spec, sorted(installed) + ["package.module:Class"])
+    return spec, installed[spec].load()
+
+
+def plugin_name(obj: Any, default: str) -> str:
+    """A plugin's option prefix: its ``name`` attribute, else ``default``."""
+    return getattr(obj, "name", None) or default
+
+
+def instantiate(name: str, obj: Any, option_values: dict[str, Any]) -> Any:
+    """Make the object to register: a class is instantiated with its validated
+    ``Options`` (if it declares any); a module is registered as it is."""
+    if isinstance(obj, ModuleType):
+        if option_values:
+            raise FedavalUsageError(f"plugin {name!r} takes no options; got {', '.join(option_values)}")
+        return obj
+    if inspect.isclass(obj):
+        options_cls = getattr(obj, "Options", None)
+        if options_cls is None:
+            if option_values:
+                raise FedavalUsageError(f"plugin {name!r} takes no options; got {', '.join(option_values)}")
+            return obj()
+        return obj(build_options(options_cls, option_values, owner=name))
+    return obj  # an already-built plugin object
+
+
+@dataclass
+class LoadedPlugins:
+    """What :func:`load_plugins` registered, in order."""
+
+    names: list[str] = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)
+
+
+def load_plugins(
+    pm: pluggy.PluginManager,
+    specs: list[str],
+    option_values: dict[str, dict[str, Any]],
+    extra: list[Any] = (),
+) -> LoadedPlugins:
+    """Register the default plugins, then ``specs`` in order, then ``extra``
+    (already-built objects, used by tests and the core).
+
+    ``option_values`` maps a plugin name to its raw options; options for a
+    plugin that is not loaded are an error, reported by the caller once the
+    scenario's options are taken out."""
+    loaded = LoadedPlugins()
+    for spec in list(DEFAULT_PLUGINS) + [s for s in specs if s not in DEFAULT_PLUGINS]:
+        name, obj = resolve_plugin(spec)
+        if name in loaded.objects:
+            raise FedavalUsageError(f"plugin name {name!r} is loaded twice (from {spec!r})")
+        instance = instantiate(name, obj, option_values.get(name, {}))
+        pm.register(instance, name=name)
+        loaded.names.append(name)
+        loaded.objects[name] = instance
+    for instance in extra:
+        name = plugin_name(instance, default=type(instance).__name__.lower())
+        pm.register(instance, name=name)
+        loaded.names.append(name)
+        loaded.objects[name] = instance
+    return loaded
+
+
+def hook_names(obj: Any) -> list[str]:
+    """The fedaval hooks an object (or class) implements, sorted."""
+    return sorted(
+        attr
+        for attr in dir(obj)
+        if attr.startswith("fedaval_") and callable(getattr(obj, attr, None))
+    )
+
+
+def describe(obj: Any) -> str:
+    """First line of a plugin's description or docstring."""
+    text = getattr(obj, "description", None) or inspect.getdoc(obj) or ""
+    return text.strip().splitlines()[0] if text.strip() else ""

@@ -1,0 +1,85 @@
+"""The server: the global model, its fusion, and its evaluation."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fedaval.payload import Upload, merge_entries
+from fedaval.strategy import FederatedStrategy
+
+if TYPE_CHECKING:
+    from fedaval.run import Run
+
+
+class Server:
+    """Holds the global model and what the next broadcast carries.
+
+    ``test_stream[t]`` holds the test samples of the classes the federation
+    first learns at stage ``t`` (``None`` when stage ``t`` brings none)."""
+
+    def __init__(self, run: Run, model: nn.Module, task_classes: list[list[int]]):
+        from fedaval.evaluation import make_evaluator
+        from fedaval.streams import make_test_stream
+
+        self.run = run
+        self.model = model
+        self.shared_keys: list[str] = list(run.hook.fedaval_shared_keys(run=run, model=model))
+        self.extras: dict[str, Any] = {}
+        self.test_stream = make_test_stream(run.data, task_classes)
+        self.tasks_started: list[int] = []
+        self.strategy = FederatedStrategy(
+            run=run,
+            owner=None,
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=run.config.lr),
+            eval_mb_size=256,
+            device=run.device,
+            evaluator=make_evaluator(run, "global"),
+            eval_every=-1,
+        )
+        self.model.to(run.device)
+
+    def global_weights(self) -> dict[str, torch.Tensor]:
+        state = self.model.state_dict()
+        return {key: state[key] for key in self.shared_keys}
+
+    def download(self) -> dict[str, Any]:
+        """The broadcast every sampled client receives: the shared weights and
+        whatever the plugins' ``fedaval_server_fuse`` returned last round."""
+        return {"weights": self.global_weights(), **self.extras}
+
+    def begin_task(self, task: int) -> None:
+        """Announce stage ``task`` to the global evaluator.
+
+        Avalanche's forgetting and BWT metrics learn which experience is the
+        current one from ``before_training_exp``; the global model is never
+        trained by an Avalanche strategy, so the server announces it."""
+        self.tasks_started.append(task)
+        if self.test_stream[task] is None:  # the stage brings no new class: nothing to track
+            return
+        self.strategy.experience = self.test_stream[task]
+        self.strategy.evaluator.before_training_exp(self.strategy)
+        self.strategy.experience = None
+
+    def fuse(self, uploads: list[Upload], round: int) -> None:
+        """Weights first (``fedaval_fuse_weights``), then everything else."""
+        hook = self.run.hook
+        if uploads:
+            new = hook.fedaval_fuse_weights(run=self.run, uploads=uploads, global_weights=self.global_weights())
+            if new:
+                state = self.model.state_dict()
+                with torch.no_grad():
+                    for key, value in new.items():
+                        state[key].copy_(value)
+        self.extras = merge_entries(
+            hook.fedaval_server_fuse(run=self.run, uploads=uploads, round=round), "download"
+        )
+        if "weights" in self.extras:
+            raise RuntimeError("fedaval_server_fuse may not return 'weights'; implement fedaval_fuse_weights")
+
+    def evaluate(self) -> dict[str, Any]:
+        exps = [self.test_stream[t] for t in self.tasks_started if self.test_stream[t] is not None]
+        return self.strategy.eval(exps) if exps else {}

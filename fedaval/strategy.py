@@ -1,0 +1,143 @@
+"""Avalanche, stretched over federated rounds.
+
+Avalanche calls ``before_training_exp``/``after_training_exp`` around every
+``strategy.train(experience)`` call, and its plugins do their end-of-task work
+there (LwF's teacher snapshot, EWC's importances, the replay buffer update,
+the clock's experience counter). In federated learning one task spans many
+rounds, and a client trains once per round. Avalanche has no notion of
+"this train() call continues the same experience", so:
+
+* :class:`FederatedStrategy` runs Avalanche's experience set-up (dataset
+  adaptation, dataloader, model adaptation, optimizer, the plugins'
+  ``before_training_exp``) only when ``task_begins`` is set, and keeps the
+  dataloader for the following rounds of the task; it runs the
+  ``after_training_exp`` callbacks only when ``task_ends`` is set. Every
+  other callback (per epoch, per iteration, ``before_backward``...) runs every
+  round as usual. To every Avalanche plugin a task therefore looks like one
+  long experience, as in centralised continual learning.
+* :class:`HookBridge`, one Avalanche plugin per client, turns Avalanche's
+  callbacks into fedaval hook calls, so method authors never write Avalanche
+  callbacks for federated behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from avalanche.core import SupervisedPlugin
+from avalanche.training.templates import SupervisedTemplate
+
+if TYPE_CHECKING:
+    from fedaval.client import Client
+    from fedaval.run import Run
+
+
+@dataclass
+class Batch:
+    """One training minibatch as local-loss hooks see it."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    features: torch.Tensor
+    logits: torch.Tensor
+    loss: torch.Tensor
+
+
+class FederatedStrategy(SupervisedTemplate):
+    """A ``SupervisedTemplate`` whose experience may span several ``train()``
+    calls (rounds), and whose forward pass goes through the model's split and
+    the ``fedaval_classify`` hook.
+
+    ``owner`` is the client id, or ``None`` for the server's global model."""
+
+    def __init__(self, *, run: Run, owner: int | None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.run = run
+        self.owner = owner
+        self.task_begins = True
+        self.task_ends = True
+        self.mb_features: torch.Tensor | None = None
+        self._task_data: tuple[Any, Any] | None = None
+
+    def forward(self):
+        features = self.model.features(self.mb_x)
+        self.mb_features = features
+        logits = self.run.hook.fedaval_classify(
+            run=self.run, owner=self.owner, model=self.model, features=features, training=self.is_training
+        )
+        return self.model.classifier(features) if logits is None else logits
+
+    def _before_training_exp(self, **kwargs):
+        if self.task_begins or self._task_data is None:
+            super()._before_training_exp(**kwargs)
+            self._task_data = (self.adapted_dataset, self.dataloader)
+        else:  # a later round of the same task: same data, same optimizer
+            self.adapted_dataset, self.dataloader = self._task_data
+
+    def _after_training_exp(self, **kwargs):
+        if self.task_ends:
+            super()._after_training_exp(**kwargs)
+            self._task_data = None
+
+
+class HookBridge(SupervisedPlugin):
+    """Calls fedaval hooks from a client's Avalanche strategy callbacks, and
+    adds the collected local-loss terms to the loss. Keeps per-round means of
+    every term (as tensors, to avoid a device sync per minibatch)."""
+
+    def __init__(self, run: Run, client: Client):
+        super().__init__()
+        self.run = run
+        self.client = client
+        self.epoch = 0
+        self._sums: dict[str, torch.Tensor] = {}
+        self._steps = 0
+
+    # set-up/tear-down of one local round (one strategy.train() call)
+    def before_training(self, strategy, **kwargs):
+        self.epoch = 0
+        self._sums = {}
+        self._steps = 0
+
+    def before_training_exp(self, strategy, **kwargs):
+        self.run.hook.fedaval_task_start(run=self.run, client=self.client, task=self.client.task)
+
+    def before_training_epoch(self, strategy, **kwargs):
+        self.run.hook.fedaval_local_epoch_start(run=self.run, client=self.client, epoch=self.epoch)
+
+    def after_training_epoch(self, strategy, **kwargs):
+        self.epoch += 1
+
+    def before_backward(self, strategy, **kwargs):
+        batch = Batch(strategy.mb_x, strategy.mb_y, strategy.mb_features, strategy.mb_output, strategy.loss)
+        self._add("loss/classification", strategy.loss)
+        results = self.run.hook.fedaval_local_loss(run=self.run, client=self.client, batch=batch)
+        seen: set[str] = set()
+        for terms in results:
+            for name, term in (terms or {}).items():
+                if name in seen:
+                    raise RuntimeError(f"two plugins return the local-loss term {name!r}")
+                seen.add(name)
+                strategy.loss = strategy.loss + term
+                self._add("loss/" + name, term)
+
+    def after_backward(self, strategy, **kwargs):
+        self._add("loss/total", strategy.loss)
+        self._steps += 1
+
+    def after_training_exp(self, strategy, **kwargs):
+        self.run.hook.fedaval_task_end(run=self.run, client=self.client, task=self.client.task)
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach()
+        if name in self._sums:
+            self._sums[name] += value
+        else:
+            self._sums[name] = value.clone()
+
+    def round_losses(self) -> dict[str, float]:
+        """Mean of each loss term over the minibatches of the last round."""
+        steps = max(self._steps, 1)
+        return {name: float(total) / steps for name, total in self._sums.items()}

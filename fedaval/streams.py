@@ -1,0 +1,59 @@
+"""Avalanche datasets and streams for clients and the server."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from avalanche.benchmarks.scenarios.dataset_scenario import DatasetExperience
+from avalanche.benchmarks.scenarios.generic_scenario import EagerCLStream
+from avalanche.benchmarks.utils import _make_taskaware_classification_dataset
+
+from fedaval.datasets import ImageData, TensorImageDataset
+
+
+def make_dataset(data: ImageData, split: str, indices: np.ndarray):
+    """An Avalanche classification dataset over ``indices`` of a split."""
+    images, labels = (data.train_x, data.train_y) if split == "train" else (data.test_x, data.test_y)
+    return _make_taskaware_classification_dataset(
+        TensorImageDataset(images, labels, indices, data.mean, data.std), task_labels=0
+    )
+
+
+def _stream(name: str, datasets: Sequence) -> list[DatasetExperience | None]:
+    """Experiences numbered by task; ``None`` where a task has no data."""
+    exps = [None if ds is None else DatasetExperience(dataset=ds, current_experience=t) for t, ds in enumerate(datasets)]
+    stream = EagerCLStream(name, [e for e in exps if e is not None], set_stream_info=False)
+    for e in exps:
+        if e is not None:
+            e.origin_stream = stream
+    return exps
+
+
+def make_train_stream(data: ImageData, task_indices: list[np.ndarray]) -> list[DatasetExperience | None]:
+    return _stream("train", [make_dataset(data, "train", idx) if len(idx) else None for idx in task_indices])
+
+
+def new_classes(task_classes: Sequence[Sequence[int]]) -> list[list[int]]:
+    """For each task, the classes not taught by an earlier task."""
+    seen: set[int] = set()
+    out = []
+    for classes in task_classes:
+        fresh = sorted(set(classes) - seen)
+        seen.update(fresh)
+        out.append(fresh)
+    return out
+
+
+def indices_of_classes(data: ImageData, classes: Sequence[int]) -> np.ndarray:
+    y = data.test_y.numpy()
+    return np.flatnonzero(np.isin(y, np.asarray(list(classes), dtype=np.int64)))
+
+
+def make_test_stream(data: ImageData, task_classes: Sequence[Sequence[int]]) -> list[DatasetExperience | None]:
+    """Test experience ``t`` = test samples of the classes first taught at task ``t``."""
+    datasets = []
+    for fresh in new_classes(task_classes):
+        idx = indices_of_classes(data, fresh)
+        datasets.append(make_dataset(data, "test", idx) if len(idx) else None)
+    return _stream("test", datasets)
