@@ -30,6 +30,7 @@ class RunConfig:
     momentum: float = 0.0
     weight_decay: float = 1e-4
     eval_every: int = 1
+    utility_lambda: float = 0.5
     device: str = "auto"
     seed: int = 0
     out: str | None = None
@@ -45,6 +46,7 @@ class RunConfig:
             ("--momentum", self.momentum, 0 <= self.momentum < 1, "in [0, 1)"),
             ("--weight-decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
             ("--eval-every", self.eval_every, self.eval_every >= 1, ">= 1"),
+            ("--utility-lambda", self.utility_lambda, 0 <= self.utility_lambda <= 1, "in [0, 1]"),
         ]
         for flag, value, ok, allowed in checks:
             if not ok:

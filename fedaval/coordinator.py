@@ -5,7 +5,19 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from fedaval.evaluation import STREAM_ACC, STREAM_BWT, STREAM_FORGETTING, atomic_write_json, exp_acc_key, scalar, summarise
+from fedaval.evaluation import (
+    STREAM_ACC,
+    STREAM_BWT,
+    STREAM_FORGETTING,
+    accuracy_on,
+    atomic_write_json,
+    continual_utility,
+    exp_acc_key,
+    mean_or_none,
+    predict,
+    scalar,
+    summarise,
+)
 from fedaval.payload import Upload, merge_entries, payload_nbytes
 from fedaval.run import Run
 
@@ -88,9 +100,23 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
 
 
 def evaluate(run: Run, round: int) -> dict[str, Any]:
-    """Global model on every class the federation has seen; each client's
+    """The round's evaluation, for every method.
+
+    Avalanche metrics: the global model on every class the federation has
+    seen (accuracy per task, stream accuracy, forgetting, BWT); each client's
     model on its own seen classes (clients not trained since their last
-    evaluation keep their last result)."""
+    evaluation keep their last result).
+
+    From the global model's predictions on the test set:
+
+    * ``a_glo`` (GLDP): mean over clients of the global model's accuracy on
+      the classes that client has seen;
+    * ``stability`` / ``plasticity`` (FedProK): global accuracy on the classes
+      of earlier stages / of the current stage; ``utility`` = lambda *
+      stability + (1 - lambda) * plasticity (``--utility-lambda``).
+
+    ``a_loc`` is the mean of the clients' own accuracies (GLDP's A_loc) and
+    ``a_sel`` the same over the clients sampled this round."""
     metrics = run.server.evaluate()
     per_task = [scalar(metrics, exp_acc_key(t)) for t in range(run.task + 1)]
     client_acc = {}
@@ -102,14 +128,28 @@ def evaluate(run: Run, round: int) -> dict[str, Any]:
             client.evaluated_at = round
         if client.last_eval:
             client_acc[client.id] = scalar(client.last_eval, STREAM_ACC)
-    values = [v for v in client_acc.values() if v is not None]
+    labels = run.data.test_y
+    predicted = predict(run, run.server.model, None, run.data.test_x, labels)
+    new = run.federation_new_classes()
+    earlier = [c for t in range(run.task) for c in new[t]]
+    stability = accuracy_on(predicted, labels, earlier)
+    plasticity = accuracy_on(predicted, labels, new[run.task])
+    sampled = set(run.schedule[round - 1])
     return {
         "global_accuracy": scalar(metrics, STREAM_ACC),
         "global_task_accuracy": per_task,
         "forgetting": scalar(metrics, STREAM_FORGETTING),
         "bwt": scalar(metrics, STREAM_BWT),
         "client_accuracy": {str(k): v for k, v in client_acc.items()},
-        "mean_client_accuracy": sum(values) / len(values) if values else None,
+        "mean_client_accuracy": mean_or_none(client_acc.values()),
+        "a_glo": mean_or_none(
+            accuracy_on(predicted, labels, c.seen_classes()) for c in run.clients if c.tasks_started
+        ),
+        "a_loc": mean_or_none(client_acc.values()),
+        "a_sel": mean_or_none(v for k, v in client_acc.items() if k in sampled),
+        "stability": stability,
+        "plasticity": plasticity,
+        "utility": continual_utility(stability, plasticity, run.config.utility_lambda),
     }
 
 
@@ -149,6 +189,12 @@ def train(run: Run, on_round: Callable[[dict[str, Any]], None] | None = None) ->
     return results
 
 
+ROUND_SCALARS = (
+    "bytes_up", "bytes_down", "seconds", "seconds_local", "seconds_fusion", "seconds_eval",
+    "a_glo", "a_loc", "a_sel", "stability", "plasticity", "utility",
+)
+
+
 def log_round(run: Run, record: dict[str, Any]) -> None:
     """Round-level figures to TensorBoard, next to Avalanche's metrics."""
     logger = run.server.strategy.evaluator.loggers
@@ -156,7 +202,7 @@ def log_round(run: Run, record: dict[str, Any]) -> None:
         return
     writer = logger[0].writer
     step = record["round"]
-    for key in ("bytes_up", "bytes_down", "seconds", "seconds_local", "seconds_fusion", "mean_client_accuracy"):
+    for key in ROUND_SCALARS:
         if record.get(key) is not None:
             writer.add_scalar(f"Fed/{key}", record[key], step)
     for name, value in record["losses"].items():

@@ -56,6 +56,52 @@ def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:
     )
 
 
+def predict(run: Run, model, owner: int | None, images, labels, batch_size: int = 512):
+    """Predicted classes of ``model`` (through ``fedaval_classify``, as the
+    strategies predict) for a whole split, plus the labels, on the CPU."""
+    import torch
+
+    from fedaval.datasets import TensorImageDataset
+
+    dataset = TensorImageDataset(images, labels, range(len(labels)), run.data.mean, run.data.std)
+    was_training = model.training
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(dataset), batch_size):
+            x = torch.stack([dataset[i][0] for i in range(start, min(start + batch_size, len(dataset)))])
+            features = model.features(x.to(run.device))
+            logits = run.hook.fedaval_classify(run=run, owner=owner, model=model, features=features, training=False)
+            logits = model.classifier(features) if logits is None else logits
+            out.append(logits.argmax(dim=1).cpu())
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def accuracy_on(predicted, labels, classes) -> float | None:
+    """Accuracy over the samples whose label is in ``classes`` (None if there are none)."""
+    import torch
+
+    if not classes:
+        return None
+    mask = torch.isin(labels, torch.as_tensor(sorted(classes), dtype=labels.dtype))
+    if not bool(mask.any()):
+        return None
+    return float((predicted[mask] == labels[mask]).float().mean())
+
+
+def mean_or_none(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def continual_utility(stability: float | None, plasticity: float | None, lam: float) -> float | None:
+    """FedProK's U = lambda * A_prev + (1 - lambda) * A_cur; None before there is a previous task."""
+    if stability is None or plasticity is None:
+        return None
+    return lam * stability + (1 - lam) * plasticity
+
+
 def scalar(metrics: dict[str, Any], key: str) -> float | None:
     value = metrics.get(key)
     if value is None:
@@ -94,6 +140,11 @@ def summarise(rounds: list[dict[str, Any]], matrix: list[list[float | None]]) ->
         "forgetting": last.get("forgetting"),
         "bwt": last.get("bwt"),
         "mean_client_accuracy": last.get("mean_client_accuracy"),
+        "a_glo": last.get("a_glo"),
+        "a_loc": last.get("a_loc"),
+        "utility": last.get("utility"),
+        "stability": last.get("stability"),
+        "plasticity": last.get("plasticity"),
         "accuracy_matrix": matrix,
         "bytes_up": sum(r["bytes_up"] for r in rounds),
         "bytes_down": sum(r["bytes_down"] for r in rounds),

@@ -63,6 +63,8 @@ def cli() -> None:
 @click.option("--weight-decay", default=1e-4, show_default=True, type=float)
 @click.option("--eval-every", default=1, show_default=True, type=int,
               help="Evaluate every N rounds (and always at the end of each task).")
+@click.option("--utility-lambda", default=0.5, show_default=True, type=float,
+              help="lambda of the continual utility U = lambda*stability + (1-lambda)*plasticity.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:<index>.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", default=None, help="Run folder (default: runs/<time>-<plugins>-<scenario>-<dataset>-s<seed>).")
