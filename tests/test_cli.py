@@ -1,0 +1,104 @@
+"""The command line: listings, a real run, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from fedaval.cli import cli
+
+FAST = ["-o", "fcil-sync.clients=2", "-o", "fcil-sync.tasks=2", "--rounds-per-task", "1", "--device", "cpu", "--quiet"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_plugins_lists_fedavg_with_its_hooks():
+    result = invoke("plugins")
+    assert result.exit_code == 0
+    assert "fedavg" in result.output and "fedaval_fuse_weights" in result.output
+
+
+def test_scenarios_lists_the_four_settings_with_options():
+    result = invoke("scenarios")
+    assert result.exit_code == 0
+    for name in ("sthfl", "fcil-sync", "fcil-async", "fcl-random"):
+        assert name in result.output
+    assert "-o sthfl.imbalance=10.0" in result.output
+
+
+def test_help_and_plugins_do_not_import_torch():
+    code = (
+        "import sys; from fedaval.cli import cli\n"
+        "for args in (['--help'], ['plugins'], ['scenarios']):\n"
+        "    try: cli(args)\n"
+        "    except SystemExit: pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_train_writes_the_run_folder(tmp_path):
+    out = tmp_path / "run"
+    result = invoke("train", "--plugins", "fedavg", "--out", str(out), *FAST)
+    assert result.exit_code == 0, result.output
+    assert f"run folder: {out}" in result.output
+    assert "final global accuracy:" in result.output
+    results = json.loads((out / "results.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert config["scenario"] == "fcil-sync" and config["scenario_options"] == {} and config["plugin_options"]["fcil-sync"]
+    assert [r["round"] for r in results["rounds"]] == [1, 2]
+    for record in results["rounds"]:
+        for key in ("task", "global_accuracy", "mean_client_accuracy", "bytes_up", "bytes_down", "seconds"):
+            assert record[key] is not None, key
+        assert record["bytes_up"] > 0 and record["bytes_down"] > 0
+    assert [len(t["accuracy"]) for t in results["tasks"]] == [1, 2]  # accuracy matrix rows
+    final = results["final"]
+    assert final["bytes_up"] == sum(r["bytes_up"] for r in results["rounds"])
+    assert final["accuracy"] == results["rounds"][-1]["global_accuracy"]
+    assert final["average_accuracy"] == pytest.approx(sum(t["global_accuracy"] for t in results["tasks"]) / 2)
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+
+
+def test_existing_run_folder_is_not_overwritten(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text('{"keep": true}')
+    result = invoke("train", "--out", str(out), *FAST)
+    assert result.exit_code == 2
+    assert json.loads((out / "results.json").read_text()) == {"keep": True}
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--plugins", "nosuch"], "unknown plugin 'nosuch'; allowed:"),
+        (["--scenario", "nosuch"], "unknown scenario 'nosuch'; allowed: fcil-async, fcil-sync, fcl-random, sthfl"),
+        (["-o", "fedavg.nosuch=1"], "plugin 'fedavg' takes no options; got nosuch"),
+        (["-o", "fcil-sync.clients=many"], "bad value fcil-sync.clients='many'; expected int"),
+        (["-o", "fcil-sync.clients=0"], "bad value fcil-sync.clients=0; must be >= 1"),
+        (["-o", "gamma"], "bad option 'gamma'"),
+        (["-o", "nosuch.key=1"], "options given for nosuch"),
+        (["--scenario", "fcil-async", "-o", "fcil-async.consensus=1.5"], "fcil-async.consensus=1.5; must be in [0, 1]"),
+        (["--scenario", "sthfl", "-o", "sthfl.classes_per_task=11"], "bad classes per task 11; the dataset has 10 classes"),
+        (["--dataset", "cifar10", "--data-root", "/nonexistent/x"], "--data-root '/nonexistent/x' does not exist"),
+        (["--dataset", "cifar10"], "needs --data-root"),
+        (["--dataset", "nosuch"], "unknown dataset 'nosuch'"),
+        (["--device", "tpu"], "bad value --device 'tpu'"),
+        (["--rounds-per-task", "0"], "bad value --rounds-per-task 0"),
+        (["--model", "vgg"], "unknown model 'vgg'"),
+        (["--plugins", "os:nosuchthing"], "module 'os' has no attribute 'nosuchthing'"),
+    ],
+)
+def test_bad_input_is_a_one_line_error_with_status_2(tmp_path, args, expected):
+    result = CliRunner().invoke(cli, ["train", "--out", str(tmp_path / "r"), "--quiet", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedaval: error: "), result.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout

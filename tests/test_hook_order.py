@@ -1,0 +1,123 @@
+"""The full ordered list of hook calls for a 2-client, 2-task, 2-round run."""
+
+from __future__ import annotations
+
+from fedaval import hookimpl
+from fedaval.api import run_training
+
+
+class Recorder:
+    """Implements every hook and records each call; returns nothing, so the
+    defaults still do the work."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def _add(self, token: str) -> None:
+        if self.calls and self.calls[-1] == token and token.startswith(("batch", "classify(eval")):
+            return  # collapse a run of minibatches / evaluation batches into one entry
+        self.calls.append(token)
+
+    @hookimpl
+    def fedaval_setup(self, run):
+        self._add("setup")
+
+    @hookimpl
+    def fedaval_make_model(self, run, client_id):
+        self._add(f"make_model({client_id})")
+
+    @hookimpl
+    def fedaval_shared_keys(self, run, model):
+        self._add("shared_keys")
+
+    @hookimpl
+    def fedaval_avalanche_plugins(self, run, client):
+        self._add(f"avalanche_plugins({client.id})")
+
+    @hookimpl
+    def fedaval_client_receive(self, run, client, download):
+        self._add(f"receive({client.id})")
+
+    @hookimpl
+    def fedaval_local_train(self, run, client, round):
+        self._add(f"local_train({client.id},r{round})")
+
+    @hookimpl
+    def fedaval_task_start(self, run, client, task):
+        self._add(f"task_start({client.id},t{task})")
+
+    @hookimpl
+    def fedaval_local_epoch_start(self, run, client, epoch):
+        self._add(f"epoch_start({client.id},e{epoch})")
+
+    @hookimpl
+    def fedaval_classify(self, run, owner, model, features, training):
+        if training:
+            self._pending_classify = True
+        else:
+            self._add(f"classify(eval,{owner})")
+
+    @hookimpl
+    def fedaval_local_loss(self, run, client, batch):
+        assert self._pending_classify, "local_loss before the batch was classified"
+        self._pending_classify = False
+        self._add(f"batches({client.id})")
+
+    @hookimpl
+    def fedaval_task_end(self, run, client, task):
+        self._add(f"task_end({client.id},t{task})")
+
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        self._add(f"upload({client.id})")
+
+    @hookimpl
+    def fedaval_fuse_weights(self, run, uploads, global_weights):
+        self._add("fuse_weights")
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        self._add(f"server_fuse(r{round})")
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        self._add(f"round_metrics(r{round})")
+
+
+def expected_round(round: int, task: int, first: bool, last: bool) -> list[str]:
+    calls = []
+    for c in (0, 1):
+        calls += [f"receive({c})", f"local_train({c},r{round})"]
+        if first:
+            calls.append(f"task_start({c},t{task})")
+        calls += [f"epoch_start({c},e0)", f"batches({c})"]
+        if last:
+            calls.append(f"task_end({c},t{task})")
+        calls.append(f"upload({c})")
+    calls += ["fuse_weights", f"server_fuse(r{round})"]
+    # evaluation: Avalanche on the global model, then each client's, then the
+    # global model's predictions for A_glo and stability/plasticity
+    calls += ["classify(eval,None)", "classify(eval,0)", "classify(eval,1)", "classify(eval,None)"]
+    calls.append(f"round_metrics(r{round})")
+    return calls
+
+
+def test_full_hook_order(tiny_config):
+    recorder = Recorder()
+    run_training(tiny_config(), extra_plugins=[recorder])
+    expected = [
+        "setup",
+        "make_model(None)", "shared_keys",
+        "make_model(0)", "shared_keys", "avalanche_plugins(0)",
+        "make_model(1)", "shared_keys", "avalanche_plugins(1)",
+    ]
+    expected += expected_round(1, 0, first=True, last=False)
+    expected += expected_round(2, 0, first=False, last=True)
+    expected += expected_round(3, 1, first=True, last=False)
+    expected += expected_round(4, 1, first=False, last=True)
+    assert recorder.calls == expected
+    # end-of-task work: exactly once per task per client
+    assert sum(c.startswith("task_end(0,") for c in recorder.calls) == 2
+    assert sum(c.startswith("task_start(1,") for c in recorder.calls) == 2
