@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from fedaval import config_file
 from fedaval.errors import FedavalUsageError
 
 
@@ -44,6 +45,9 @@ def cli() -> None:
 
 
 @cli.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), is_eager=True,
+              callback=config_file.load_into_context,
+              help="TOML file of these options (see configs/README.md); the command line wins.")
 @click.option("--plugins", "-p", "plugins", multiple=True, default=("fedavg",), show_default=True,
               help="Method plugins by name or package.module:Class; repeat or comma-separate.")
 @click.option("--option", "-o", "options", multiple=True, metavar="NAME.KEY=VALUE",
@@ -67,18 +71,23 @@ def cli() -> None:
               help="lambda of the continual utility U = lambda*stability + (1-lambda)*plasticity.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:<index>.")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seeds", default=None, metavar="S1,S2,...",
+              help="Run once per seed into sibling folders OUT-s<seed>, e.g. --seeds 42,1999,2024.")
 @click.option("--out", default=None, help="Run folder (default: runs/<time>-<plugins>-<scenario>-<dataset>-s<seed>).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def train(plugins, options, out, quiet, **kwargs) -> None:
+def train(config_path, plugins, options, out, quiet, seeds, **kwargs) -> None:
     """Train a federation and write a run folder (results.json, config.json, tb/)."""
     from fedaval.plugin_manager import split_plugin_specs
 
+    ctx = click.get_current_context()
     kwargs["plugins"] = split_plugin_specs(plugins)
-    kwargs["plugin_options"] = parse_assignments(options)
+    kwargs["plugin_options"] = config_file.merge_options(config_file.file_options(ctx), parse_assignments(options))
     kwargs["out"] = out
+    from_cli = {name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE for name in ("seed", "seeds")}
     from fedaval.api import run_training
 
-    run_training(kwargs, show_progress=not quiet, echo=click.echo)
+    for settings in config_file.settings_per_seed(kwargs, seeds, from_cli["seed"], from_cli["seeds"]):
+        run_training(settings, show_progress=not quiet, echo=click.echo)
 
 
 @cli.command("plugins")
@@ -110,6 +119,20 @@ def list_scenarios() -> None:
         click.echo(f"{name}  ({spec.paper}) {spec.description}")
         for opt, typ, default, help_text in describe_options(spec.Options):
             click.echo(f"    -o {name}.{opt}={default}  ({typ}) {help_text}")
+
+
+@cli.command("report")
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
+@click.option("--out-dir", default=".", show_default=True,
+              help="Where report.md, report.csv and the PNG figures go.")
+@click.option("--no-figures", is_flag=True, help="Only the tables.")
+def report(run_dirs, out_dir, no_figures) -> None:
+    """Compare runs: a table (mean ± std over seeds) and figures."""
+    from fedaval.report import write_report
+
+    result = write_report(run_dirs, out_dir, figures=not no_figures)
+    click.echo(result.table)
+    click.echo("wrote " + ", ".join(str(p) for p in result.files))
 
 
 def main() -> None:

@@ -1,0 +1,498 @@
+"""Comparing runs the way papers do: a table over methods and settings,
+mean and standard deviation over seeds, and figures.
+
+``fedaval report RUN_DIR...`` calls :func:`write_report`. Everything is read
+from each run folder's ``results.json`` (written by
+:func:`fedaval.coordinator.train`; its ``final`` block is
+:func:`fedaval.evaluation.summarise`).
+
+Runs are grouped when their configurations differ only in ``seed`` (and in
+where they ran: ``out``, ``device``, ``data_root``, ``download``). For each
+group and metric the table shows the mean and the sample standard deviation
+(``n - 1`` in the denominator, as ``statistics.stdev``; blank for one run).
+A metric no run of a group recorded is blank; a column no group has is left
+out (``A_glo``, ``A_loc`` and ``utility`` appear only for runs whose rounds
+carry ``a_glo``, ``a_loc`` or ``utility``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fedaval.errors import FedavalUsageError
+
+#: Configuration keys that do not make two runs different experiments.
+NOT_A_SETTING = ("seed", "out", "device", "data_root", "download")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One column of the report: ``key`` (CSV name), ``title`` (Markdown
+    header), how to read it from results.json, and how to show it."""
+
+    key: str
+    title: str
+    read: Callable[[dict[str, Any]], float | None]
+    kind: str  # "percent", "bytes" or "seconds"
+
+
+def _final(name: str) -> Callable[[dict[str, Any]], float | None]:
+    return lambda results: _number((results.get("final") or {}).get(name))
+
+
+def _last_round_value(name: str) -> Callable[[dict[str, Any]], float | None]:
+    """``final[name]`` if the core summarises it, else the value in the last
+    round that recorded it (evaluation rounds only carry evaluation keys)."""
+
+    def read(results: dict[str, Any]) -> float | None:
+        value = _number((results.get("final") or {}).get(name))
+        if value is not None:
+            return value
+        for record in reversed(results.get("rounds") or []):
+            value = _number(record.get(name))
+            if value is not None:
+                return value
+        return None
+
+    return read
+
+
+def _per_round(name: str) -> Callable[[dict[str, Any]], float | None]:
+    """Total of round key ``name`` divided by the number of rounds run."""
+
+    def read(results: dict[str, Any]) -> float | None:
+        rounds = results.get("rounds") or []
+        values = [_number(r.get(name)) for r in rounds]
+        if not rounds or any(v is None for v in values):
+            return None
+        return sum(values) / len(rounds)
+
+    return read
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("final_accuracy", "final acc", _final("accuracy"), "percent"),
+    Metric("average_accuracy", "avg acc", _final("average_accuracy"), "percent"),
+    Metric("forgetting", "forgetting", _final("forgetting"), "percent"),
+    Metric("a_glo", "A_glo", _last_round_value("a_glo"), "percent"),
+    Metric("a_loc", "A_loc", _last_round_value("a_loc"), "percent"),
+    Metric("utility", "utility", _last_round_value("utility"), "percent"),
+    Metric("bytes_up_per_round", "up/round", _per_round("bytes_up"), "bytes"),
+    Metric("bytes_down_per_round", "down/round", _per_round("bytes_down"), "bytes"),
+    Metric("seconds_per_round", "s/round", _per_round("seconds"), "seconds"),
+)
+
+
+def _number(value: Any) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(value) else value
+
+
+# ---------------------------------------------------------------- loading runs
+
+
+@dataclass
+class RunResult:
+    """One run folder: its path, a short unique ``name``, and results.json."""
+
+    path: Path
+    name: str
+    results: dict[str, Any]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.results.get("config") or {}
+
+    @property
+    def seed(self) -> Any:
+        return self.config.get("seed")
+
+
+def load_run(path: str | Path) -> dict[str, Any]:
+    """results.json of run folder ``path``; anything else is a one-line error."""
+    path = Path(path)
+    results_file = path / "results.json"
+    if not path.is_dir():
+        raise FedavalUsageError(f"{str(path)!r} is not a fedaval run folder (not a folder)")
+    if not results_file.is_file():
+        raise FedavalUsageError(f"{str(path)!r} is not a fedaval run folder (no results.json)")
+    try:
+        results = json.loads(results_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FedavalUsageError(f"{str(results_file)!r} is not readable JSON ({exc})") from None
+    if not isinstance(results, dict) or not isinstance(results.get("config"), dict) or "rounds" not in results:
+        raise FedavalUsageError(f"{str(results_file)!r} is not a fedaval results file (no config/rounds)")
+    return results
+
+
+def load_runs(paths: list[str | Path]) -> list[RunResult]:
+    """Load every run; names are folder names, made unique by the parent's
+    name where two folders share one."""
+    if not paths:
+        raise FedavalUsageError("no run folders given; usage: fedaval report RUN_DIR...")
+    runs = [RunResult(Path(p), Path(p).resolve().name, load_run(p)) for p in paths]
+    names = [r.name for r in runs]
+    for run in runs:
+        if names.count(run.name) > 1:
+            run.name = f"{run.path.resolve().parent.name}-{run.name}"
+    seen: dict[str, int] = {}
+    for run in runs:  # still clashing (same path twice, say): number them
+        seen[run.name] = seen.get(run.name, 0) + 1
+        if seen[run.name] > 1:
+            run.name = f"{run.name}-{seen[run.name]}"
+    return runs
+
+
+# ---------------------------------------------------------------- grouping
+
+
+def setting_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The configuration that makes an experiment, in one canonical form:
+    scenario options given either way (``scenario_options`` or
+    ``-o <scenario>.key=``) are merged, and option values compared as text,
+    so ``clients = 2`` in a config file equals ``-o fcil-sync.clients=2``;
+    keys a run does not record take :class:`~fedaval.config.RunConfig`'s
+    defaults."""
+    out = {**_defaults(), **config}
+    out = {k: v for k, v in out.items() if k not in NOT_A_SETTING}
+    options = {owner: dict(values) for owner, values in (config.get("plugin_options") or {}).items()}
+    scenario = config.get("scenario")
+    if config.get("scenario_options"):
+        options.setdefault(scenario, {}).update(config["scenario_options"])
+    out["plugin_options"] = {
+        owner: {k: _as_text(v) for k, v in sorted(values.items())} for owner, values in sorted(options.items()) if values
+    }
+    out.pop("scenario_options", None)
+    return out
+
+
+def _defaults() -> dict[str, Any]:
+    """RunConfig's defaults, so a run written before a configuration key
+    existed compares equal to one that records the key's default."""
+    from fedaval.config import RunConfig
+
+    return RunConfig().to_dict()
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(_as_text(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+@dataclass
+class Group:
+    """Runs whose settings are equal (they differ only in seed)."""
+
+    setting: dict[str, Any]
+    runs: list[RunResult] = field(default_factory=list)
+    label: str = ""
+
+    @property
+    def method(self) -> str:
+        return "+".join(self.setting.get("plugins") or []) or "fedavg"
+
+    @property
+    def seeds(self) -> list[Any]:
+        return [r.seed for r in self.runs]
+
+
+def group_runs(runs: list[RunResult]) -> list[Group]:
+    """Group runs by :func:`setting_of`, in first-seen order, and label each
+    group with the settings that tell it apart from the others."""
+    groups: list[Group] = []
+    for run in runs:
+        setting = setting_of(run.config)
+        for group in groups:
+            if group.setting == setting:
+                group.runs.append(run)
+                break
+        else:
+            groups.append(Group(setting, [run]))
+    flat = [_flatten(g.setting) for g in groups]
+    shown = {"plugins", "scenario", "dataset"}  # have their own columns
+    varying = sorted(
+        {k for f in flat for k in f if k not in shown and len({json.dumps(x.get(k)) for x in flat}) > 1}
+    )
+    for group, f in zip(groups, flat):
+        group.label = ", ".join(f"{k if '.' in k else k.replace('_', '-')}={f[k]}" for k in varying if k in f)
+    return groups
+
+
+def _flatten(setting: dict[str, Any]) -> dict[str, Any]:
+    """``{"lr": 0.1, "plugin_options": {"gldp": {"lam": "0.5"}}}`` ->
+    ``{"lr": 0.1, "gldp.lam": "0.5"}``."""
+    out = {k: v for k, v in setting.items() if k != "plugin_options"}
+    for owner, values in setting.get("plugin_options", {}).items():
+        for key, value in values.items():
+            out[f"{owner}.{key}"] = value
+    return out
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def mean_std(values: list[float | None]) -> tuple[float | None, float | None, int]:
+    """Mean and sample standard deviation (n - 1) of the values present, and
+    how many were present. The deviation is ``None`` for fewer than two."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None, 0
+    mean = statistics.fmean(present)
+    std = statistics.stdev(present) if len(present) > 1 else None
+    return mean, std, len(present)
+
+
+@dataclass
+class Row:
+    """One line of the report: a group and, per metric key, (mean, std, n)."""
+
+    group: Group
+    stats: dict[str, tuple[float | None, float | None, int]]
+
+
+def summarise_groups(groups: list[Group]) -> list[Row]:
+    return [
+        Row(group, {m.key: mean_std([m.read(r.results) for r in group.runs]) for m in METRICS}) for group in groups
+    ]
+
+
+def present_metrics(rows: list[Row]) -> list[Metric]:
+    """The metrics at least one group has a value for."""
+    return [m for m in METRICS if any(row.stats[m.key][2] for row in rows)]
+
+
+# ---------------------------------------------------------------- tables
+
+
+def _byte_unit(value: float) -> tuple[str, float]:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= size:
+            return unit, size
+    return "B", 1.0
+
+
+def _format_cell(stat: tuple[float | None, float | None, int], kind: str, runs: int) -> str:
+    """``mean ± std`` in the column's unit (the deviation in the mean's unit);
+    ``(n=k)`` when only k of the row's runs recorded the metric."""
+    mean, std, n = stat
+    if mean is None:
+        return ""
+    if kind == "percent":
+        scale, unit, digits = 100.0, "", 2
+    elif kind == "bytes":
+        unit, scale = _byte_unit(mean)
+        scale, unit, digits = 1 / scale, " " + unit, (0 if unit == "B" else 2)
+    else:
+        scale, unit, digits = 1.0, "", 2
+    text = f"{mean * scale:.{digits}f}"
+    if std is not None:
+        text += f" ± {std * scale:.{digits}f}"
+    text += unit
+    if n < runs:
+        text += f" (n={n})"
+    return text
+
+
+def _header(rows: list[Row]) -> tuple[list[str], list[Metric]]:
+    metrics = present_metrics(rows)
+    columns = ["method", "scenario", "dataset"]
+    if any(row.group.label for row in rows):
+        columns.append("setting")
+    columns += ["runs", "seeds"]
+    return columns + [m.title for m in metrics], metrics
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """A pipe table, padded so it also reads well in a terminal. Accuracies,
+    forgetting and utility are percentages, shown as mean ± std."""
+    columns, metrics = _header(rows)
+    body = []
+    for row in rows:
+        g = row.group
+        cells = [g.method, g.setting.get("scenario", ""), g.setting.get("dataset", "")]
+        if "setting" in columns:
+            cells.append(g.label)
+        cells += [str(len(g.runs)), ",".join(str(s) for s in g.seeds)]
+        cells += [_format_cell(row.stats[m.key], m.kind, len(g.runs)) for m in metrics]
+        body.append(cells)
+    widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(columns)]
+    numeric = set(range(len(columns) - len(metrics), len(columns)))
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if i in numeric else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(columns), rule, *(line(r) for r in body)])
+
+
+def csv_table(rows: list[Row]) -> str:
+    """One line per group; raw numbers (accuracies as fractions, bytes,
+    seconds): ``<metric>_mean``, ``<metric>_std``, ``<metric>_n``."""
+    metrics = present_metrics(rows)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    header = ["method", "scenario", "dataset", "setting", "runs", "seeds", "run_dirs"]
+    for m in metrics:
+        header += [f"{m.key}_mean", f"{m.key}_std", f"{m.key}_n"]
+    writer.writerow(header)
+    for row in rows:
+        g = row.group
+        line = [
+            g.method,
+            g.setting.get("scenario", ""),
+            g.setting.get("dataset", ""),
+            g.label,
+            len(g.runs),
+            " ".join(str(s) for s in g.seeds),
+            " ".join(str(r.path) for r in g.runs),
+        ]
+        for m in metrics:
+            mean, std, n = row.stats[m.key]
+            line += ["" if mean is None else repr(mean), "" if std is None else repr(std), n]
+        writer.writerow(line)
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------- figures
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def task_boundaries(results: dict[str, Any]) -> list[int]:
+    """Rounds after which a task ended (the last task's end excluded)."""
+    ends = [r["round"] for r in results.get("rounds") or [] if r.get("task_end")]
+    total = len(results.get("rounds") or [])
+    return [e for e in ends if e < total]
+
+
+def plot_accuracy_over_rounds(groups: list[Group], path: Path) -> Path:
+    """Global accuracy (all classes seen so far) at every evaluated round, one
+    curve per run, one colour per group; dotted lines between tasks."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    boundaries: set[int] = set()
+    for i, group in enumerate(groups):
+        for j, run in enumerate(group.runs):
+            points = [
+                (r["round"], 100 * r["global_accuracy"])
+                for r in run.results.get("rounds") or []
+                if _number(r.get("global_accuracy")) is not None
+            ]
+            boundaries.update(task_boundaries(run.results))
+            if not points:
+                continue
+            label = f"{group.method} {group.label} s{run.seed}".replace("  ", " ")
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker=".", color=colours[i % len(colours)], alpha=0.9 if j == 0 else 0.6, label=label)
+    for b in sorted(boundaries):
+        ax.axvline(b + 0.5, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("federated round (dotted: new task)")
+    ax.set_ylabel("global accuracy on classes seen (%)")
+    ax.set_ylim(0, 100)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_accuracy_matrix(run: RunResult, path: Path) -> Path:
+    """Heatmap of ``final.accuracy_matrix``: row i = after learning task i,
+    column j = global accuracy on task j's classes (blank above the
+    diagonal: not yet seen)."""
+    plt = _pyplot()
+    import numpy as np
+
+    matrix = (run.results.get("final") or {}).get("accuracy_matrix") or []
+    size = max([len(matrix), *(len(r) for r in matrix)]) if matrix else 1
+    grid = np.full((max(len(matrix), 1), size), np.nan)
+    for i, row in enumerate(matrix):
+        for j, value in enumerate(row):
+            if _number(value) is not None:
+                grid[i, j] = 100 * value
+    fig, ax = plt.subplots(figsize=(1.8 + 0.7 * size, 1.4 + 0.6 * grid.shape[0]), dpi=100)
+    image = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis")
+    for (i, j), value in np.ndenumerate(grid):
+        if not np.isnan(value):
+            ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8, color="white" if value < 60 else "black")
+    ax.set_xticks(range(size), [str(j + 1) for j in range(size)])
+    ax.set_yticks(range(grid.shape[0]), [str(i + 1) for i in range(grid.shape[0])])
+    ax.set_xlabel("task evaluated")
+    ax.set_ylabel("after task")
+    ax.set_title(run.name, fontsize=8)
+    fig.colorbar(image, ax=ax, label="accuracy (%)", fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _file_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", name)
+
+
+# ---------------------------------------------------------------- the report
+
+
+@dataclass
+class Report:
+    table: str
+    files: list[Path]
+
+
+def write_report(paths: list[str | Path], out_dir: str | Path = ".", figures: bool = True) -> Report:
+    """Read the runs, write ``report.md``, ``report.csv`` and (``figures``)
+    ``accuracy.png`` and ``matrix-<run>.png`` per run into ``out_dir``;
+    return the Markdown table and the files written."""
+    runs = load_runs(list(paths))
+    groups = group_runs(runs)
+    rows = summarise_groups(groups)
+    table = markdown_table(rows)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    images: list[Path] = []
+    if figures:
+        images.append(plot_accuracy_over_rounds(groups, out / "accuracy.png"))
+        for run in runs:
+            images.append(plot_accuracy_matrix(run, out / f"matrix-{_file_name(run.name)}.png"))
+    legend = (
+        "Accuracies, forgetting and utility in %, mean ± sample standard deviation over the runs "
+        "of a row (runs that differ only in seed); bytes and seconds per federated round."
+    )
+    md = ["# fedaval report", "", table, "", legend, ""]
+    md += [f"![{p.stem}]({p.name})" for p in images]
+    md_path = out / "report.md"
+    md_path.write_text("\n".join(md) + "\n")
+    csv_path = out / "report.csv"
+    csv_path.write_text(csv_table(rows))
+    files += [md_path, csv_path, *images]
+    return Report(table, files)
