@@ -64,7 +64,8 @@ class TensorImageDataset(Dataset):
         return len(self.targets)
 
     def __getitem__(self, i):
-        x = self.images[i].float().div_(self._scale).sub_(self._mean).div_(self._std)
+        # out of place: for float images .float() is the stored tensor itself
+        x = (self.images[i].float() / self._scale - self._mean) / self._std
         return x, self._labels[i]
 
 
