@@ -2,7 +2,9 @@
 
 Built-in methods and third-party ones take one path: an entry point in the
 ``fedaval.plugins`` group (``--plugins gldp``), or an import path
-(``--plugins mypkg.mymethod:Plugin``). A plugin manager is made per run by
+(``--plugins mypkg.mymethod:Plugin``). A third form, ``prefix:argument``,
+builds a plugin class from an argument through a factory of
+:data:`SPEC_FACTORIES` (``--plugins avalanche:MASPlugin``). A plugin manager is made per run by
 :func:`get_plugin_manager`; nothing is registered at import time.
 """
 
@@ -24,6 +26,13 @@ from fedaval.options import build_options
 DEFAULT_PLUGINS = ("fedavg",)
 """Registered in every run, whatever ``--plugins`` says. Their hooks are
 ``trylast`` defaults that a method overrides."""
+
+
+SPEC_FACTORIES = {"avalanche": "fedaval.plugins.avalanche_bridge:avalanche_plugin_class"}
+"""Spec prefixes that make a plugin class from an argument: ``avalanche:X``
+calls ``avalanche_plugin_class("X")``, which wraps Avalanche's training
+plugin ``X`` (one instance per client). Checked before the
+``package.module:Attribute`` form; the class's ``name`` is its option prefix."""
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -52,8 +61,14 @@ def split_plugin_specs(values: tuple[str, ...] | list[str]) -> list[str]:
 def resolve_plugin(spec: str) -> tuple[str, Any]:
     """Find the plugin class (or module) that ``spec`` names.
 
-    ``spec`` is an entry-point name or ``package.module:Attribute``. Returns
+    ``spec`` is an entry-point name, ``prefix:argument`` with a prefix of
+    :data:`SPEC_FACTORIES`, or ``package.module:Attribute``. Returns
     ``(name, object)``; the name is the one users prefix options with."""
+    prefix, _, argument = spec.partition(":")
+    if argument and prefix in SPEC_FACTORIES:
+        factory_module, _, factory_name = SPEC_FACTORIES[prefix].partition(":")
+        obj = getattr(importlib.import_module(factory_module), factory_name)(argument)
+        return plugin_name(obj, default=prefix), obj
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
         try:
@@ -67,7 +82,7 @@ def resolve_plugin(spec: str) -> tuple[str, Any]:
         return plugin_name(obj, default=attr.lower()), obj
     installed = installed_plugins()
     if spec not in installed:
-        raise choice_error("plugin", spec, sorted(installed) + ["package.module:Class"])
+        raise choice_error("plugin", spec, sorted(installed) + [f"{p}:<name>" for p in SPEC_FACTORIES] + ["package.module:Class"])
     return spec, installed[spec].load()
 
 

@@ -1,0 +1,239 @@
+"""Avalanche's own continual-learning plugins, attached to every client.
+
+Each client gets one fresh instance of an Avalanche training plugin (through
+``fedaval_avalanche_plugins``), next to FedAvg's averaging. Because
+:class:`fedaval.strategy.FederatedStrategy` runs Avalanche's
+``before_training_exp`` only in a client's first round of a task and
+``after_training_exp`` only in its last, each plugin sees one experience per
+*task*, exactly as in centralised continual learning:
+
+* **FedEWC** (``EWCPlugin``): importances and the anchor weights are computed
+  once per task, at the client's last round of the task, on the client's
+  *local* model before it uploads (the reading chosen: Avalanche's plugin
+  unchanged), keyed by the client's own experience counter (tasks it trained).
+* **FedLwF** (``LwFPlugin``): the teacher is snapshotted once per task, same
+  moment: the client's local model at the end of its last round of the task.
+* **FedReplay** (``ReplayPlugin``): the exemplar memory (``mem_size``, 500 by
+  default as in FedProK's FediCaRL baseline) is updated once per task; its
+  ``ReplayDataLoader`` is built at the task's first round and kept by the core
+  for every later round of the task.
+
+Any other Avalanche training plugin takes the generic path::
+
+    fedaval train --plugins avalanche:MASPlugin -o avalanche.lambda_reg=2
+
+``avalanche:ClassName`` is resolved by :func:`avalanche_plugin_class` (see
+``SPEC_FACTORIES`` in :mod:`fedaval.plugin_manager`): the class is looked up
+in ``avalanche.training.plugins`` and its constructor's keyword arguments
+become the options of a plugin named ``avalanche``, typed from the
+constructor's annotations or defaults. Arguments that cannot be given on a
+command line (objects, lists) keep their defaults.
+
+Nothing here imports torch or Avalanche at import time (``fedaval plugins``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from typing import Any, ClassVar, Literal, Optional, Union
+
+from fedaval import hookimpl
+from fedaval.errors import FedavalUsageError
+from fedaval.options import non_negative, option, positive
+from fedaval.plugin import Plugin
+
+AVALANCHE_PLUGINS_MODULE = "avalanche.training.plugins"
+
+
+class AvalancheBridge(Plugin):
+    """Attach one fresh ``avalanche_class`` instance to every client.
+
+    Subclasses set ``avalanche_class`` (a name in ``avalanche.training.plugins``)
+    and may override :meth:`avalanche_kwargs` (default: every option, by name).
+    ``instances`` maps a client id to its Avalanche plugin."""
+
+    avalanche_class: ClassVar[str] = ""
+
+    def __init__(self, options: Any = None):
+        super().__init__(options)
+        self.instances: dict[int, Any] = {}
+
+    def avalanche_kwargs(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.options) if self.options is not None else {}
+
+    @hookimpl
+    def fedaval_avalanche_plugins(self, run, client):
+        cls = load_avalanche_class(self.avalanche_class)
+        plugin = cls(**self.avalanche_kwargs())
+        self.instances[client.id] = plugin
+        return [plugin]
+
+
+# ---------------------------------------------------------------------------
+# the three named hybrids
+# ---------------------------------------------------------------------------
+
+
+class FedEWC(AvalancheBridge):
+    """FedAvg + Avalanche's EWCPlugin on every client."""
+
+    name = "fedewc"
+    description = "FedEWC: FedAvg + Avalanche's EWC on every client (importances once per task)"
+    avalanche_class = "EWCPlugin"
+
+    @dataclasses.dataclass
+    class Options:
+        ewc_lambda: float = option(1.0, "weight of the EWC penalty", non_negative)
+        mode: Literal["separate", "online"] = option("separate", "one penalty per past task, or one decayed penalty")
+        decay_factor: Optional[float] = option(None, "importance decay, required by mode=online")
+
+    def __init__(self, options: Any = None):
+        super().__init__(options)
+        online = self.options.mode == "online"
+        if online != (self.options.decay_factor is not None):
+            raise FedavalUsageError(
+                f"bad value fedewc.decay_factor={self.options.decay_factor!r}; "
+                "set it exactly when fedewc.mode=online"
+            )
+
+
+class FedLwF(AvalancheBridge):
+    """FedAvg + Avalanche's LwFPlugin on every client."""
+
+    name = "fedlwf"
+    description = "FedLwF: FedAvg + Avalanche's LwF distillation on every client (teacher once per task)"
+    avalanche_class = "LwFPlugin"
+
+    @dataclasses.dataclass
+    class Options:
+        alpha: float = option(1.0, "weight of the distillation loss", non_negative)
+        temperature: float = option(2.0, "softmax temperature", positive)
+
+
+class FedReplay(AvalancheBridge):
+    """FedAvg + Avalanche's ReplayPlugin (a fixed exemplar memory) on every client."""
+
+    name = "fedreplay"
+    description = "FedReplay: FedAvg + Avalanche's experience replay, fixed memory per client (500)"
+    avalanche_class = "ReplayPlugin"
+
+    @dataclasses.dataclass
+    class Options:
+        mem_size: int = option(500, "exemplars kept per client (FedProK's paper: 500)", positive)
+        batch_size_mem: Optional[int] = option(None, "memory minibatch size (None: Avalanche's default)")
+        task_balanced_dataloader: bool = option(False, "balance memory minibatches over past tasks")
+
+
+# ---------------------------------------------------------------------------
+# the generic path: avalanche:ClassName
+# ---------------------------------------------------------------------------
+
+
+def available_avalanche_plugins() -> list[str]:
+    """Training plugin classes in ``avalanche.training.plugins`` (the evaluator excluded)."""
+    import importlib
+
+    from avalanche.core import BasePlugin
+
+    module = importlib.import_module(AVALANCHE_PLUGINS_MODULE)
+    return sorted(
+        name
+        for name, obj in vars(module).items()
+        if inspect.isclass(obj) and issubclass(obj, BasePlugin) and name != "EvaluationPlugin"
+        and obj.__module__.startswith("avalanche.training.plugins") and not name.startswith("_")
+    )
+
+
+def load_avalanche_class(class_name: str) -> type:
+    """The class ``class_name`` of ``avalanche.training.plugins``, or a one-line error."""
+    import importlib
+
+    module = importlib.import_module(AVALANCHE_PLUGINS_MODULE)
+    if class_name not in available_avalanche_plugins():
+        raise FedavalUsageError(
+            f"unknown Avalanche plugin {class_name!r}; allowed: {', '.join(available_avalanche_plugins())}"
+        )
+    return getattr(module, class_name)
+
+
+_SCALARS = (bool, int, float, str)
+_ANY_SCALAR = Optional[Union[int, float, bool, str]]
+
+
+class _Required:
+    """Default of a constructor argument that has none: must be given."""
+
+    def __repr__(self) -> str:
+        return "(required)"
+
+
+REQUIRED = _Required()
+
+
+def _required_check(value: Any) -> str | None:
+    return "required by the Avalanche plugin's constructor" if value is REQUIRED else None
+
+
+def option_type(parameter: inspect.Parameter) -> Any | None:
+    """The option type of one constructor argument, or ``None`` when it cannot
+    be given on a command line (an object, a list).
+
+    From the annotation when it is a scalar type (``int``, ``Optional[float]``,
+    ``Literal[...]``); else from the default's type; else (no annotation, no
+    usable default: ``ewc_lambda``) any scalar, parsed as int, float, bool or
+    string in that order."""
+    annotation = parameter.annotation
+    if isinstance(annotation, str):
+        annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation, inspect.Parameter.empty)
+    origin = typing.get_origin(annotation)
+    if annotation in _SCALARS or origin is Literal:
+        return annotation
+    if origin is Union:
+        args = typing.get_args(annotation)
+        scalars = [a for a in args if a in _SCALARS]
+        if scalars and all(a in _SCALARS or a is type(None) for a in args):
+            return annotation
+        if scalars:  # Union[float, Sequence[float]]: the scalar part
+            return Optional[Union[tuple(scalars)]] if len(scalars) > 1 else Optional[scalars[0]]
+    default = parameter.default
+    if default is inspect.Parameter.empty or default is None:
+        return _ANY_SCALAR if annotation is inspect.Parameter.empty or origin is Union else None
+    if type(default) in _SCALARS:
+        return type(default)
+    return None
+
+
+def constructor_options(cls: type) -> type:
+    """A dataclass of the keyword arguments of ``cls.__init__`` that a command
+    line can set, with their defaults (``REQUIRED`` where there is none)."""
+    fields = []
+    for name, parameter in inspect.signature(cls.__init__).parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        tp = option_type(parameter)
+        if tp is None:
+            continue
+        default = REQUIRED if parameter.default is inspect.Parameter.empty else parameter.default
+        fields.append((name, tp, dataclasses.field(default=default, metadata={
+            "help": f"{cls.__name__}({name}=...)", "check": _required_check})))
+    return dataclasses.make_dataclass(f"{cls.__name__}Options", fields)
+
+
+def avalanche_plugin_class(class_name: str) -> type:
+    """A fedaval plugin class (named ``avalanche``) attaching a fresh
+    ``avalanche.training.plugins.<class_name>`` to every client, its options
+    being the constructor's keyword arguments. Used for ``--plugins avalanche:<class_name>``."""
+    cls = load_avalanche_class(class_name)
+    return type(
+        f"Avalanche{class_name}",
+        (AvalancheBridge,),
+        {
+            "name": "avalanche",
+            "description": f"Avalanche's {class_name} on every client (generic bridge)",
+            "avalanche_class": class_name,
+            "Options": constructor_options(cls),
+            "__module__": __name__,
+        },
+    )
