@@ -1,0 +1,241 @@
+"""GLDP: Global-Local Dynamic Prototypes for spatio-temporal heterogeneous FL
+(papers/gldp-sthfl.txt, section 4; the setting is ``--scenario sthfl``).
+
+* Personalised model (Eq. 3-5): ``model.features`` (mu) is shared and
+  averaged over the sampled clients with equal weights; ``model.classifier``
+  (nu) never leaves the client. Each round trains the base for ``t`` local
+  epochs, then the head for ``s`` (:mod:`fedaval.plugins.personal`; with
+  ``--local-epochs`` E: t + s must equal E when both are given, default
+  t = max(1, round(E/3)) and s = E - t so that t < s as in the paper, and
+  with E = 1 base and head train together).
+* Prototypes (Eq. 6): at the end of a client's task (its last round of the
+  stage) the client computes C_i^n, the mean base feature of each class n
+  of its current-task data, and uploads them with that round's weights.
+* Local prototype set (Eq. 9): ``C^_i^n <- beta C^_i^n + (1-beta) C_i^n`` at
+  each task end, a new class added as it is.
+* Global prototype set (Eq. 11), on the server: ``C~^n <- beta C~^n +
+  (1-beta) mean_{i in N_n} C_i^n``. Reading: one moving-average step per
+  stage, N_n = the clients that finished the stage holding class n (clients
+  sampled in different rounds of a stage join the same mean; the step is
+  recomputed from the previous stages' set each time one arrives). The set
+  is broadcast as the download entry ``gldp_prototypes``.
+* Loss (Eq. 12): CE + lambda L_LP + (1 - lambda) L_GP, see
+  :func:`local_relation_loss` and :func:`global_relation_loss` for the
+  readings of Eq. 7/8 and 10. Logged as ``gldp_lp`` and ``gldp_gp``.
+* Prediction (Eq. 13): nearest prototype of the base feature. Training uses
+  the linear head (CE); evaluation uses the global set (GLDP-GP,
+  ``predict=global``) or the client's local set (GLDP-LP, ``predict=local``);
+  the global model always uses the global set. Reading: evaluation uses the
+  latest global set (the one the next broadcast carries). Both variants'
+  A_loc are also reported every evaluated round as ``gldp_a_loc_gp`` and
+  ``gldp_a_loc_lp``, whichever ``predict`` is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+from fedaval import hookimpl
+from fedaval.options import option, unit_interval
+from fedaval.plugin import Plugin
+from fedaval.plugins.personal import PersonalHead, resolve_phases
+from fedaval.prototypes import PrototypeSet, class_means, ema_update, mean_over_holders, nearest_prototype_scores
+
+ENTRY = "gldp_prototypes"
+
+
+def local_relation_loss(current: PrototypeSet, old: PrototypeSet) -> torch.Tensor | None:
+    """L_LP, GLDP Eq. 7/8: keeps a class's features where the earlier stages
+    left them (anti-forgetting).
+
+    Reading (the paper writes KL(C^_i^n || p_i^n(x)) without saying how a
+    prototype becomes a distribution): ``KL(softmax(C^_i^n) ||
+    softmax(C_i^n))`` where C^_i^n is the old local prototype (constant)
+    and C_i^n the *current* prototype of class n, the mean feature of the
+    class-n samples of the minibatch (differentiable); averaged over the
+    classes of the minibatch that have an old prototype. ``None`` when no
+    class has one (then the term is 0)."""
+    classes = [c for c in current if c in old]
+    if not classes:
+        return None
+    terms = []
+    for c in classes:
+        log_q = F.log_softmax(current[c], dim=-1)
+        p = F.softmax(old[c].to(current[c].device, current[c].dtype), dim=-1)
+        terms.append(F.kl_div(log_q, p, reduction="sum"))
+    return torch.stack(terms).mean()
+
+
+def global_relation_loss(
+    current: PrototypeSet, global_set: PrototypeSet, weights: dict[int, float]
+) -> torch.Tensor | None:
+    """L_GP, GLDP Eq. 10: ``sum_n (T_i^n / T_i) * MSE(C_i^n, C~^n)`` pulls the
+    local prototypes towards the global ones (anti long-tail).
+
+    Reading: C_i^n is the mean feature of the minibatch's class-n samples
+    (differentiable), the sum runs over the minibatch's classes that have a
+    global prototype, ``weights[n] = T_i^n / T_i`` with T counted over the
+    client's whole current-task data, and MSE is the mean over feature
+    dimensions of the squared difference. ``None`` when no class has a
+    global prototype."""
+    classes = [c for c in current if c in global_set]
+    if not classes:
+        return None
+    terms = [
+        weights.get(c, 0.0) * F.mse_loss(current[c], global_set[c].to(current[c].device, current[c].dtype))
+        for c in classes
+    ]
+    return torch.stack(terms).sum()
+
+
+def class_frequency_weights(labels: torch.Tensor) -> dict[int, float]:
+    """``T_i^n / T_i`` of GLDP Eq. 10 for each class n in ``labels``."""
+    classes, counts = torch.unique(labels, return_counts=True)
+    total = float(counts.sum())
+    return {int(c): float(n) / total for c, n in zip(classes.tolist(), counts.tolist())}
+
+
+def _at_least_zero(value) -> str | None:
+    return None if value is None or value >= 0 else "must be >= 0"
+
+
+@dataclass
+class GLDPOptions:
+    lam: float = option(0.5, "lambda of Eq. 12: weight of L_LP; L_GP gets 1 - lambda", unit_interval)
+    beta: float = option(0.5, "moving-average weight of the old prototype (Eq. 9 and 11)", unit_interval)
+    t: Optional[int] = option(None, "local epochs of the shared base per round (default: max(1, round(E/3)))", _at_least_zero)
+    s: Optional[int] = option(None, "local epochs of the personal head per round, after the base (default: E - t)", _at_least_zero)
+    predict: Literal["global", "local"] = option(
+        "global", "prototypes for evaluating the client models: global (GLDP-GP) or local (GLDP-LP)"
+    )
+
+
+class GLDP(PersonalHead, Plugin):
+    """GLDP: personal head + global/local prototype relations + nearest-prototype prediction."""
+
+    name = "gldp"
+    description = "GLDP: personal head, global-local dynamic prototypes, nearest-prototype prediction (STHFL)"
+    Options = GLDPOptions
+    phase_order = ("base", "head")
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.local: dict[int, PrototypeSet] = {}  # C^_i: consolidated local sets (earlier task ends)
+        self.received: dict[int, PrototypeSet] = {}  # the global set each client last received
+        self.weights: dict[int, dict[int, float]] = {}  # T_i^n / T_i of the client's current task
+        self.pending: dict[int, PrototypeSet] = {}  # C_i of a task just ended, to upload
+        self.global_previous: PrototypeSet = {}  # C~ after the previous stages
+        self.stage_sets: list[PrototypeSet] = []  # uploads of the current stage
+        self.global_set: PrototypeSet = {}  # C~ now (what is broadcast)
+        self.eval_cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # test features
+
+    # --- set-up --------------------------------------------------------------
+    @hookimpl
+    def fedaval_setup(self, run):
+        o = self.options
+        self.phases = resolve_phases(
+            run.config.local_epochs, o.t, o.s,
+            default_first=lambda e: max(1, round(e / 3)), names=("t", "s"), owner=self.name,
+        )
+
+    # --- client --------------------------------------------------------------
+    @hookimpl
+    def fedaval_client_receive(self, run, client, download):
+        self.received[client.id] = dict(download.get(ENTRY) or {})
+
+    @hookimpl
+    def fedaval_task_start(self, run, client, task):
+        self.weights[client.id] = class_frequency_weights(run.data.train_y[client.tasks.indices[task]])
+
+    @hookimpl
+    def fedaval_local_loss(self, run, client, batch):
+        current, _ = class_means(batch.features, batch.y)
+        lam = self.options.lam
+        l_lp = local_relation_loss(current, self.local.get(client.id, {}))
+        l_gp = global_relation_loss(current, self.received.get(client.id, {}), self.weights.get(client.id, {}))
+        zero = batch.features.new_zeros(())
+        return {
+            "gldp_lp": zero if l_lp is None else lam * l_lp,
+            "gldp_gp": zero if l_gp is None else (1 - lam) * l_gp,
+        }
+
+    @hookimpl
+    def fedaval_task_end(self, run, client, task):
+        features, labels = base_features(client.model, client.train_stream[task].dataset, run.device)
+        prototypes, _ = class_means(features, labels)
+        self.pending[client.id] = prototypes
+        self.local[client.id] = ema_update(self.local.get(client.id, {}), prototypes, self.options.beta)
+
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        prototypes = self.pending.pop(client.id, None)
+        return {ENTRY: prototypes} if prototypes else None
+
+    # --- server --------------------------------------------------------------
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        self.stage_sets += [u.get(ENTRY) for u in uploads if u.get(ENTRY)]
+        self.global_set = ema_update(self.global_previous, mean_over_holders(self.stage_sets), self.options.beta)
+        if round == run.rounds_of_task(run.task)[-1]:  # the stage ends: its step is final
+            self.global_previous, self.stage_sets = self.global_set, []
+        return {ENTRY: self.global_set} if self.global_set else None
+
+    # --- prediction and evaluation -------------------------------------------
+    def prototypes_for(self, owner: int | None, predict: str) -> PrototypeSet:
+        if owner is None or predict == "global":
+            return self.global_set
+        return self.local.get(owner, {})
+
+    @hookimpl
+    def fedaval_classify(self, run, owner, model, features, training):
+        if training:
+            return None  # CE on the linear head
+        prototypes = self.prototypes_for(owner, self.options.predict)
+        if not prototypes:
+            return None
+        return nearest_prototype_scores(features, prototypes, run.num_classes)
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        """A_loc of both GLDP-GP and GLDP-LP (each client's base on the test
+        data of its seen classes), from one run. A client's test features are
+        recomputed only after it trained again; the prototypes are the latest."""
+        accs: dict[str, list[float]] = {"global": [], "local": []}
+        for client in run.clients:
+            if not client.tasks_started:
+                continue
+            cached = self.eval_cache.get(client.id)
+            if cached is None or cached[0] < client.trained_at:
+                exps = [client.test_stream[t] for t in sorted(client.tasks_started) if client.test_stream[t] is not None]
+                if not exps:
+                    continue
+                feats, labels = zip(*(base_features(client.model, e.dataset, run.device) for e in exps))
+                cached = self.eval_cache[client.id] = (client.trained_at, torch.cat(feats), torch.cat(labels))
+            _, feats, labels = cached
+            for predict, values in accs.items():
+                prototypes = self.prototypes_for(client.id, predict)
+                if prototypes:
+                    pred = nearest_prototype_scores(feats, prototypes, run.num_classes).argmax(dim=1)
+                    values.append(float((pred == labels).float().mean()))
+        keys = {"global": "gldp_a_loc_gp", "local": "gldp_a_loc_lp"}
+        return {keys[p]: sum(v) / len(v) for p, v in accs.items() if v}
+
+
+@torch.no_grad()
+def base_features(model, dataset, device, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.features`` of every sample of ``dataset`` (eval mode), on the CPU,
+    with the labels."""
+    was_training = model.training
+    model.eval()
+    feats, labels = [], []
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    for batch in loader:
+        x, y = batch[0], batch[1]
+        feats.append(model.features(x.to(device)).cpu())
+        labels.append(torch.as_tensor(y))
+    model.train(was_training)
+    return torch.cat(feats), torch.cat(labels)

@@ -1,0 +1,72 @@
+"""Prototype maths shared by the prototype methods: class means of features,
+moving averages of ``{class: prototype}`` sets, and nearest-prototype
+prediction.
+
+A *prototype set* is a plain ``dict[int, torch.Tensor]`` (class id ->
+1-d feature vector). Everything here is a pure function on tensors; the
+methods (GLDP, FedProK, PFCL...) keep the sets and call these.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+PrototypeSet = dict[int, torch.Tensor]
+
+
+def class_means(features: torch.Tensor, labels: torch.Tensor) -> tuple[PrototypeSet, dict[int, int]]:
+    """Mean feature of each class present in ``labels`` and its sample count:
+    ``C^n = 1/|D_n| sum_{x in D_n} f(x)`` (GLDP Eq. 6, FedProK's mu_{k,c},
+    PFCL's p_{c,i}). Gradients flow through the means when ``features``
+    requires them (the in-batch prototypes of a loss)."""
+    means: PrototypeSet = {}
+    counts: dict[int, int] = {}
+    for c in torch.unique(labels).tolist():
+        mask = labels == c
+        means[int(c)] = features[mask].mean(dim=0)
+        counts[int(c)] = int(mask.sum())
+    return means, counts
+
+
+def ema_update(old: Mapping[int, torch.Tensor], new: Mapping[int, torch.Tensor], beta: float) -> PrototypeSet:
+    """``beta * old[c] + (1 - beta) * new[c]`` for a class in both sets; a class
+    only in ``new`` is added as it is; a class only in ``old`` is kept (GLDP
+    Eq. 9 and 11). Returns a new dict; the inputs are not changed."""
+    out: PrototypeSet = {c: p.detach().clone() for c, p in old.items()}
+    for c, p in new.items():
+        p = p.detach()
+        out[c] = beta * out[c] + (1 - beta) * p if c in out else p.clone()
+    return out
+
+
+def mean_over_holders(sets: Iterable[Mapping[int, torch.Tensor]]) -> PrototypeSet:
+    """Per class, the plain mean over the sets that hold it:
+    ``1/|N_n| sum_{i in N_n} C_i^n`` (the inner term of GLDP Eq. 11; PFCL's
+    global prototype)."""
+    sums: dict[int, torch.Tensor] = {}
+    holders: dict[int, int] = {}
+    for prototypes in sets:
+        for c, p in prototypes.items():
+            p = p.detach().to(torch.float64)
+            sums[c] = sums[c] + p if c in sums else p.clone()
+            holders[c] = holders.get(c, 0) + 1
+    return {c: (sums[c] / holders[c]).to(torch.float32) for c in sums}
+
+
+def nearest_prototype_scores(
+    features: torch.Tensor, prototypes: Mapping[int, torch.Tensor], num_classes: int
+) -> torch.Tensor:
+    """Class scores ``-||f(x) - C^n||_2`` (``N x num_classes``) whose argmax is
+    the nearest prototype, ``argmin_n ||f(x) - C^n||_2`` (GLDP Eq. 13). A class
+    without a prototype scores ``-inf`` and is never predicted. ``prototypes``
+    must not be empty."""
+    if not prototypes:
+        raise ValueError("nearest-prototype prediction needs at least one prototype")
+    classes = sorted(prototypes)
+    bank = torch.stack([prototypes[c].to(features.device, features.dtype) for c in classes])
+    distances = torch.cdist(features, bank)
+    scores = torch.full((features.shape[0], num_classes), float("-inf"), device=features.device, dtype=features.dtype)
+    scores[:, torch.tensor(classes, device=features.device)] = -distances
+    return scores
