@@ -1,0 +1,157 @@
+"""`fedaval report`: numbers against the runs' results.json, grouping over
+seeds, figures, errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from fedaval.cli import cli
+from fedaval.report import group_runs, load_runs, mean_std, setting_of, write_report
+
+
+def tiny(out: Path, **overrides):
+    """As conftest's ``tiny_config``, module-scoped so the runs are shared."""
+    from fedaval.config import RunConfig
+
+    settings = dict(
+        dataset="digits",
+        scenario="fcil-sync",
+        scenario_options={"clients": 2, "tasks": 2},
+        rounds_per_task=2,
+        local_epochs=1,
+        batch_size=32,
+        device="cpu",
+        seed=0,
+        out=str(out),
+    )
+    settings.update(overrides)
+    return RunConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two digits runs that differ only in seed, and one with another lr."""
+    from fedaval.api import run_training
+
+    root = tmp_path_factory.mktemp("report-runs")
+    paths = {}
+    for name, overrides in [("a-s1", dict(seed=1)), ("a-s2", dict(seed=2)), ("b-s1", dict(seed=1, lr=0.05))]:
+        run_training(tiny(root / name, **overrides))
+        paths[name] = root / name
+    return paths
+
+
+def results(path: Path) -> dict:
+    return json.loads((path / "results.json").read_text())
+
+
+def test_report_numbers_are_mean_and_sample_std_of_the_runs(runs, tmp_path):
+    report = write_report([runs["a-s1"], runs["a-s2"], runs["b-s1"]], tmp_path)
+    rows = list(csv.DictReader((tmp_path / "report.csv").open()))
+    assert len(rows) == 2, "the two seeds of one setting make one row, the other lr another"
+    a, b = rows
+    assert (a["runs"], a["seeds"], b["runs"], b["seeds"]) == ("2", "1 2", "1", "1")
+    assert a["setting"] == "lr=0.01" and b["setting"] == "lr=0.05"
+
+    r1, r2 = results(runs["a-s1"]), results(runs["a-s2"])
+    assert r1["final"]["accuracy"] != r2["final"]["accuracy"], "seeds should give different runs"
+    for key, read in [
+        ("final_accuracy", lambda r: r["final"]["accuracy"]),
+        ("average_accuracy", lambda r: r["final"]["average_accuracy"]),
+        ("forgetting", lambda r: r["final"]["forgetting"]),
+        ("bytes_up_per_round", lambda r: sum(x["bytes_up"] for x in r["rounds"]) / len(r["rounds"])),
+        ("bytes_down_per_round", lambda r: r["final"]["bytes_down"] / r["final"]["rounds"]),
+        ("seconds_per_round", lambda r: sum(x["seconds"] for x in r["rounds"]) / len(r["rounds"])),
+    ]:
+        values = [read(r1), read(r2)]
+        assert float(a[f"{key}_mean"]) == pytest.approx(statistics.fmean(values)), key
+        assert float(a[f"{key}_std"]) == pytest.approx(statistics.stdev(values)), key
+        assert a[f"{key}_n"] == "2"
+        assert float(b[f"{key}_mean"]) == pytest.approx(read(results(runs["b-s1"])))
+        assert b[f"{key}_std"] == "", "one run has no standard deviation"
+
+    # the core's A_glo / A_loc / utility, where the runs carry them
+    for key in ("a_glo", "a_loc", "utility"):
+        values = [r["final"].get(key) for r in (r1, r2)]
+        if any(v is not None for v in values):
+            assert float(a[f"{key}_mean"]) == pytest.approx(statistics.fmean(v for v in values if v is not None))
+        else:
+            assert f"{key}_mean" not in a, "a metric no run has gets no column"
+
+    # the Markdown table shows the same numbers, in %, as mean ± std
+    acc = [r1["final"]["accuracy"], r2["final"]["accuracy"]]
+    cell = f"{100 * statistics.fmean(acc):.2f} ± {100 * statistics.stdev(acc):.2f}"
+    assert cell in report.table
+    md = (tmp_path / "report.md").read_text()
+    assert cell in md and "![accuracy](accuracy.png)" in md
+
+
+def test_report_writes_valid_png_figures(runs, tmp_path):
+    write_report([runs["a-s1"], runs["a-s2"]], tmp_path)
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == ["accuracy.png", "matrix-a-s1.png", "matrix-a-s2.png"]
+    for name in pngs:
+        with Image.open(tmp_path / name) as image:
+            image.verify()
+        with Image.open(tmp_path / name) as image:
+            assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
+
+
+def test_report_command_prints_the_table_and_writes_into_out_dir(runs, tmp_path):
+    result = CliRunner().invoke(cli, ["report", str(runs["a-s1"]), str(runs["a-s2"]), "--out-dir", str(tmp_path / "rep")])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0].startswith("| method")
+    assert {p.name for p in (tmp_path / "rep").iterdir()} >= {"report.md", "report.csv", "accuracy.png"}
+
+
+def test_a_folder_that_is_not_a_run_is_a_one_line_error(runs, tmp_path):
+    (tmp_path / "empty").mkdir()
+    for bad in [tmp_path / "empty", tmp_path / "missing"]:
+        result = CliRunner().invoke(cli, ["report", str(runs["a-s1"]), str(bad)])
+        assert result.exit_code == 2
+        assert result.output.strip().count("\n") == 0
+        assert "is not a fedaval run folder" in result.output and str(bad) in result.output
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "results.json").write_text('{"not": "a run"}')
+    result = CliRunner().invoke(cli, ["report", str(tmp_path / "junk")])
+    assert result.exit_code == 2 and "not a fedaval results file" in result.output
+
+
+def test_mean_std_by_hand():
+    mean, std, n = mean_std([0.5, 0.7, None])
+    assert (mean, n) == (pytest.approx(0.6), 2)
+    assert std == pytest.approx(0.1414213562)  # sqrt(((0.1)^2 + (0.1)^2) / (2 - 1))
+    assert mean_std([0.3]) == (0.3, None, 1)
+    assert mean_std([None, None]) == (None, None, 0)
+
+
+def test_settings_compare_by_value_whichever_way_given():
+    """A file's typed ``clients = 2`` equals ``-o fcil-sync.clients=2``; seed,
+    out and device do not make a different experiment; a key a run does not
+    record counts as its default."""
+    from fedaval.config import RunConfig
+
+    a = RunConfig(scenario_options={"clients": 2}, seed=1, out="x", device="cpu").to_dict()
+    b = RunConfig(plugin_options={"fcil-sync": {"clients": "2"}}, seed=2, out="y", device="auto").to_dict()
+    assert setting_of(a) == setting_of(b)
+    c = dict(b, lr=0.1)
+    assert setting_of(a) != setting_of(c)
+    old = {k: v for k, v in a.items() if k != "eval_every"}  # a key added later
+    assert setting_of(old) == setting_of(a)
+
+
+def test_same_folder_names_are_told_apart(runs, tmp_path):
+    import shutil
+
+    for parent in ("x", "y"):
+        shutil.copytree(runs["a-s1"], tmp_path / parent / "run", ignore=shutil.ignore_patterns("tb"))
+    loaded = load_runs([tmp_path / "x" / "run", tmp_path / "y" / "run"])
+    assert [r.name for r in loaded] == ["x-run", "y-run"]
+    assert len(group_runs(loaded)) == 1
