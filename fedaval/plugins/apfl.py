@@ -1,0 +1,158 @@
+"""APFL (Deng, Kamani and Mahdavi, 2020, "Adaptive Personalized Federated
+Learning"): each client mixes a local model with the global one.
+
+Client i keeps, beside the shared model ``w_i`` (trained on its data and
+averaged by FedAvg as usual), a personal model ``v_i`` and a mixing weight
+``alpha_i``. Its personalised model is the mixture of *parameters*
+
+    ``v_bar_i = alpha_i * v_i + (1 - alpha_i) * w_i``        (Deng et al. 2020, Eq. 3)
+
+and at every local step (Algorithm 1), from the same point as ``w_i``'s own step:
+
+    ``v_i     <- v_i     - eta * grad_v f_i(v_bar_i) = v_i - eta * alpha_i * g``
+    ``alpha_i <- alpha_i - eta_alpha * <v_i - w_i, g>``     (Eq. 9), ``g = grad f_i(v_bar_i)``
+
+``alpha_i`` is kept in [0, 1]. The mixture predicts for the client's own
+evaluation (A_loc); the global model is FedAvg's.
+
+Readings chosen:
+
+* ``v_i`` starts as the client's model at its first round (the global
+  initialisation); it and ``alpha_i`` live for the whole run, across tasks.
+* The personal step runs inside ``fedaval_local_loss`` (one per minibatch,
+  with its own gradient computed on the personal variables only, ``w_i``
+  detached), so ``w_i``'s step is exactly FedAvg's; the personal loss is
+  returned as the detached term ``apfl_personal`` so that it is logged (it
+  adds no gradient to ``w_i``).
+* ``eta`` is the run's ``--lr``; ``eta_alpha`` is ``alpha_lr`` (default: ``--lr``).
+* BatchNorm running statistics of the mixture are the personal model's own.
+* Evaluation swaps the mixture into the client's model for the duration of
+  the client's Avalanche ``eval`` (an Avalanche plugin attached through
+  ``fedaval_avalanche_plugins``) and restores ``w_i`` afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from fedaval import hookimpl
+from fedaval.options import option, positive, unit_interval
+from fedaval.plugin import Plugin
+
+
+def mix(v, w, alpha):
+    """``alpha * v + (1 - alpha) * w``, key by key (Deng et al. 2020, Eq. 3)."""
+    return {key: alpha * v[key] + (1 - alpha) * w[key] for key in v}
+
+
+def alpha_gradient(v, w, grad):
+    """``d f(v_bar) / d alpha = sum_j <v_j - w_j, grad_j>`` where ``grad`` is
+    ``grad f`` at the mixture (Deng et al. 2020, Eq. 9)."""
+    return sum(float(((v[k] - w[k]) * grad[k]).sum()) for k in v)
+
+
+def personal_step(model, v_params, v_buffers, alpha, x, y, loss_fn, lr, alpha_lr, adaptive=True):
+    """One APFL step on the personal variables of a client whose shared model
+    is ``model``: the loss of the mixture of parameters on ``(x, y)``, then
+    ``v <- v - lr * grad_v``, ``alpha <- clip(alpha - alpha_lr * grad_alpha, 0, 1)``.
+
+    ``v_params`` (leaf tensors) are updated in place and ``v_buffers`` by the
+    forward pass; ``model``'s own weights are neither read for gradient nor
+    changed. Returns ``(loss, new alpha)``."""
+    import torch
+    from torch.func import functional_call
+
+    w = {name: p.detach() for name, p in model.named_parameters()}
+    a = torch.tensor(float(alpha), requires_grad=adaptive)
+    mixed = {name: a * v_params[name] + (1 - a) * w[name] for name in w}
+    loss = loss_fn(functional_call(model, {**mixed, **v_buffers}, (x,)), y)
+    inputs = [v_params[name] for name in w] + ([a] if adaptive else [])
+    grads = torch.autograd.grad(loss, inputs)
+    with torch.no_grad():
+        for name, g in zip(w, grads):
+            v_params[name].sub_(lr * g)
+    if adaptive:
+        alpha = min(1.0, max(0.0, float(alpha) - alpha_lr * float(grads[-1])))
+    return loss.detach(), alpha
+
+
+class APFL(Plugin):
+    """APFL: a personal model per client, mixed with the global model by a learnt alpha."""
+
+    name = "apfl"
+    description = "APFL: per-client model v mixed with the global w as alpha*v + (1-alpha)*w, alpha learnt"
+
+    @dataclasses.dataclass
+    class Options:
+        alpha: float = option(0.5, "initial mixing weight of the personal model", unit_interval)
+        adaptive: bool = option(True, "learn alpha by gradient (False: keep it fixed)")
+        alpha_lr: Optional[float] = option(None, "step size of alpha (None: the run's --lr)",
+                                           lambda v: None if v is None or v > 0 else "must be > 0")
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.personal: dict = {}  # client id -> (parameters, buffers) of v
+        self.alphas: dict[int, float] = {}
+
+    def _personal(self, client):
+        if client.id not in self.personal:
+            params = {n: p.detach().clone().requires_grad_(True) for n, p in client.model.named_parameters()}
+            buffers = {n: b.detach().clone() for n, b in client.model.named_buffers()}
+            self.personal[client.id] = (params, buffers)
+            self.alphas[client.id] = self.options.alpha
+        return self.personal[client.id]
+
+    @hookimpl
+    def fedaval_local_loss(self, run, client, batch):
+        import torch.nn.functional as F
+
+        params, buffers = self._personal(client)
+        lr = run.config.lr
+        loss, self.alphas[client.id] = personal_step(
+            client.model, params, buffers, self.alphas[client.id], batch.x, batch.y, F.cross_entropy,
+            lr=lr, alpha_lr=self.options.alpha_lr or lr, adaptive=self.options.adaptive,
+        )
+        return {"apfl_personal": loss}
+
+    def personalised_state(self, client) -> dict:
+        """The mixture's state_dict for ``client`` (its shared model if it has no personal one yet)."""
+        state = {k: v.detach().clone() for k, v in client.model.state_dict().items()}
+        if client.id not in self.personal:
+            return state
+        params, buffers = self.personal[client.id]
+        w = {name: state[name] for name in params}
+        state.update({k: t.detach() for k, t in mix(params, w, self.alphas[client.id]).items()})
+        state.update({k: b.detach().clone() for k, b in buffers.items()})
+        return state
+
+    @hookimpl
+    def fedaval_avalanche_plugins(self, run, client):
+        return [_MixtureForEvaluation(self, client)]
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        if not self.alphas:
+            return None
+        return {"apfl_mean_alpha": sum(self.alphas.values()) / len(self.alphas)}
+
+
+class _MixtureForEvaluation:
+    """An Avalanche plugin (duck-typed: Avalanche calls any ``before_eval`` /
+    ``after_eval`` attribute) that puts the APFL mixture into ``client``'s
+    model for the duration of its evaluation, then restores ``w``."""
+
+    def __init__(self, apfl: APFL, client):
+        self.apfl = apfl
+        self.client = client
+        self.saved = None
+
+    def before_eval(self, strategy, **kwargs):
+        model = self.client.model
+        self.saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(self.apfl.personalised_state(self.client))
+
+    def after_eval(self, strategy, **kwargs):
+        if self.saved is not None:
+            self.client.model.load_state_dict(self.saved)
+            self.saved = None
