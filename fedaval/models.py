@@ -39,17 +39,20 @@ def split_model(model: nn.Module) -> SplitModel:
     ``classifier`` or ``head``); a :class:`SplitModel` is returned as it is."""
     if isinstance(model, SplitModel):
         return model
+
+    def body_without(attr: str, replacement: nn.Module) -> nn.Module:
+        body = copy.copy(model)  # shares the layers' parameters, not the module table
+        body._modules = dict(model._modules)
+        setattr(body, attr, replacement)
+        return body
+
     for attr in ("fc", "classifier", "head"):
         layer = getattr(model, attr, None)
         if isinstance(layer, nn.Sequential) and len(layer) and isinstance(layer[-1], nn.Linear):
-            layer = layer[-1]
-            body = copy.copy(model)
-            setattr(body, attr, nn.Sequential(*list(getattr(model, attr))[:-1]))
-            return SplitModel(body, layer, layer.in_features)
+            body = body_without(attr, nn.Sequential(*list(layer)[:-1]))
+            return SplitModel(body, layer[-1], layer[-1].in_features)
         if isinstance(layer, nn.Linear):
-            body = copy.copy(model)
-            setattr(body, attr, nn.Identity())
-            return SplitModel(body, layer, layer.in_features)
+            return SplitModel(body_without(attr, nn.Identity()), layer, layer.in_features)
     raise ValueError(
         f"cannot split a {type(model).__name__}: it has no last linear layer named fc, classifier or head"
     )
