@@ -1,0 +1,189 @@
+"""Avalanche's plugins on every client: the named hybrids (FedEWC, FedLwF,
+FedReplay) and the generic ``--plugins avalanche:ClassName`` path. The point
+checked throughout: a task spanning several rounds looks like ONE Avalanche
+experience (end-of-task work once per task, at the client's last round)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from click.testing import CliRunner
+
+from fedaval import hookimpl
+from fedaval.cli import cli
+from fedaval.coordinator import train
+from fedaval.errors import FedavalUsageError
+from fedaval.plugin_manager import instantiate, resolve_plugin
+from fedaval.run import Run
+
+
+def run_with(config, extra=()):
+    run = Run(config, extra_plugins=list(extra), out_dir=None)
+    return run, train(run)
+
+
+class BatchProbe:
+    """Largest minibatch each client trained on, per round."""
+
+    name = "batch-probe"
+
+    def __init__(self):
+        self.largest = defaultdict(int)
+
+    @hookimpl
+    def fedaval_local_loss(self, run, client, batch):
+        key = (client.id, run.round)
+        self.largest[key] = max(self.largest[key], int(batch.x.shape[0]))
+
+
+def count_calls(monkeypatch, cls, method):
+    """Wrap ``cls.method``; returns {id(instance): [(round, train_exp_counter), ...]}."""
+    calls = defaultdict(list)
+    original = getattr(cls, method)
+
+    def wrapped(self, strategy, **kwargs):
+        calls[id(self)].append((strategy.run.round, strategy.clock.train_exp_counter))
+        return original(self, strategy, **kwargs)
+
+    monkeypatch.setattr(cls, method, wrapped)
+    return calls
+
+
+# --- the generic path --------------------------------------------------------
+
+
+def test_generic_mas_plugin_does_its_end_of_task_work_once_per_task(tiny_config, monkeypatch):
+    from avalanche.training.plugins import MASPlugin
+
+    after = count_calls(monkeypatch, MASPlugin, "after_training_exp")
+    before = count_calls(monkeypatch, MASPlugin, "before_training_exp")
+    config = tiny_config(plugins=["avalanche:MASPlugin"], plugin_options={"avalanche": {"lambda_reg": "2"}},
+                         rounds_per_task=3)
+    run, results = run_with(config)
+    assert len(results["rounds"]) == 6
+    bridge = run.plugins.objects["avalanche"]
+    assert sorted(bridge.instances) == [0, 1]
+    for plugin in bridge.instances.values():
+        assert isinstance(plugin, MASPlugin) and plugin._lambda == 2.0
+        # once per task, at the task's last round (3 and 6), experience counters 0 and 1
+        assert after[id(plugin)] == [(3, 0), (6, 1)]
+        assert before[id(plugin)] == [(1, 0), (4, 1)]
+        assert plugin.importance is not None
+    # MAS's penalty is active in the second task only
+    for record in results["rounds"]:
+        extra = record["losses"]["loss/total"] - record["losses"]["loss/classification"]
+        assert (extra > 0) == (record["task"] == 1)
+
+
+def test_generic_path_options_are_typed_from_the_constructor():
+    name, cls = resolve_plugin("avalanche:SynapticIntelligencePlugin")
+    assert name == "avalanche"
+    plugin = instantiate(name, cls, {"si_lambda": "0.5", "eps": "1e-3"})
+    assert plugin.options.si_lambda == 0.5 and plugin.options.eps == 0.001
+    assert plugin.avalanche_kwargs()["device"] == "as_strategy"
+
+
+@pytest.mark.parametrize(
+    "spec, values, message",
+    [
+        ("avalanche:MASPlugin", {"lam": "1"}, "unknown option avalanche.lam; allowed: alpha, lambda_reg, verbose"),
+        ("avalanche:MASPlugin", {"lambda_reg": "abc"}, "bad value avalanche.lambda_reg='abc'; expected float"),
+        ("avalanche:LFLPlugin", {}, "bad value avalanche.lambda_e=(required); required by the Avalanche"),
+        ("avalanche:NoSuchPlugin", {}, "unknown Avalanche plugin 'NoSuchPlugin'; allowed: AGEMPlugin,"),
+    ],
+)
+def test_generic_path_errors_are_one_line(spec, values, message):
+    with pytest.raises(FedavalUsageError) as info:
+        name, cls = resolve_plugin(spec)
+        instantiate(name, cls, values)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_generic_path_cli_error(tmp_path):
+    result = CliRunner().invoke(cli, ["train", "--plugins", "avalanche:MASPlugin", "-o", "avalanche.nope=1",
+                                      "--out", str(tmp_path / "r"), "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "unknown option avalanche.nope; allowed: alpha, lambda_reg, verbose" in result.output
+
+
+def test_unknown_plugin_error_mentions_the_avalanche_form():
+    with pytest.raises(FedavalUsageError, match=r"avalanche:<name>"):
+        resolve_plugin("no-such-method")
+
+
+# --- the named hybrids -------------------------------------------------------
+
+
+def test_hybrids_act_once_per_task_and_replay_in_every_round(tiny_config, monkeypatch):
+    from avalanche.training import LearningWithoutForgetting
+    from avalanche.training.plugins import EWCPlugin, ReplayPlugin
+
+    ewc_ends = count_calls(monkeypatch, EWCPlugin, "after_training_exp")
+    replay_ends = count_calls(monkeypatch, ReplayPlugin, "after_training_exp")
+    teachers = defaultdict(int)
+    original = LearningWithoutForgetting.post_adapt
+
+    def post_adapt(self, agent, exp):
+        teachers[id(self)] += 1
+        return original(self, agent, exp)
+
+    monkeypatch.setattr(LearningWithoutForgetting, "post_adapt", post_adapt)
+    probe = BatchProbe()
+    config = tiny_config(plugins=["fedewc", "fedlwf", "fedreplay"], plugin_options={"fedreplay": {"mem_size": "40"}},
+                         rounds_per_task=3)
+    run, results = run_with(config, extra=[probe])
+    for client in run.clients:
+        ewc = run.plugins.objects["fedewc"].instances[client.id]
+        lwf = run.plugins.objects["fedlwf"].instances[client.id]
+        replay = run.plugins.objects["fedreplay"].instances[client.id]
+        # EWC: importances once per task, keyed by the client's experience counter
+        assert ewc_ends[id(ewc)] == [(3, 0), (6, 1)]
+        assert sorted(ewc.importances) == [0, 1] and sorted(ewc.saved_params) == [0, 1]
+        # LwF: one teacher snapshot per task
+        assert teachers[id(lwf.lwf)] == 2 and lwf.lwf.expcount == 2 and lwf.lwf.prev_model is not None
+        # replay: memory updated once per task, full after task 1
+        assert replay_ends[id(replay)] == [(3, 0), (6, 1)]
+        assert len(replay.storage_policy.buffer) == 40
+        # the ReplayDataLoader (batch 32 + 32 from memory) in EVERY round of task 2, not only the first
+        assert [probe.largest[(client.id, r)] for r in range(1, 7)] == [32, 32, 32, 64, 64, 64]
+    assert results["final"]["accuracy"] is not None
+
+
+def test_fedewc_online_mode_needs_a_decay_factor():
+    name, cls = resolve_plugin("fedewc")
+    with pytest.raises(FedavalUsageError, match="fedewc.decay_factor"):
+        instantiate(name, cls, {"mode": "online"})
+    assert instantiate(name, cls, {"mode": "online", "decay_factor": "0.9"}).avalanche_kwargs() == {
+        "ewc_lambda": 1.0, "mode": "online", "decay_factor": 0.9}
+
+
+# --- every baseline in every scenario -------------------------------------------
+
+SCENARIOS = {
+    "sthfl": {"clients": 3, "classes_per_task": 2, "tasks": 2},
+    "fcil-sync": {"clients": 2, "tasks": 2},
+    "fcil-async": {"clients": 2, "tasks": 2},
+    "fcl-random": {"clients": 3, "classes_per_task": 2, "min_tasks": 1, "max_tasks": 2},
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_baselines_run_in_every_scenario(tiny_config, scenario):
+    plugins = ["fedprox", "fedewc", "fedlwf", "fedreplay"]
+    config = tiny_config(plugins=plugins, scenario=scenario, scenario_options=SCENARIOS[scenario],
+                         rounds_per_task=1, plugin_options={"fedreplay": {"mem_size": "20"}})
+    run, results = run_with(config)
+    assert results["plugins"][:5] == ["fedavg", *plugins]
+    assert len(results["rounds"]) == run.num_tasks
+    assert 0 <= results["final"]["accuracy"] <= 1
+    assert all("loss/proximal" in r["losses"] for r in results["rounds"])
+    for client in run.clients:
+        trained = len(client.tasks_started)
+        ewc = run.plugins.objects["fedewc"].instances[client.id]
+        lwf = run.plugins.objects["fedlwf"].instances[client.id]
+        replay = run.plugins.objects["fedreplay"].instances[client.id]
+        assert sorted(ewc.importances) == list(range(trained))
+        assert lwf.lwf.expcount == trained
+        assert (len(replay.storage_policy.buffer) > 0) == (trained > 0)
