@@ -1,0 +1,309 @@
+"""FedProK: federated prototypical feature knowledge transfer (``shared/papers/fedprok.txt``).
+
+Two parts, one plugin:
+
+* **Feature translation (client, Sec. 5.1, Eqs. 5-8, after FeTrIL, Petit et
+  al. 2023).** Every round each client computes the prototype (mean feature,
+  Eq. 5) and sample count of each class of its current task. From task index
+  1 on (0-based; the paper's t > 1) the feature extractor is frozen, and for
+  every previous class ``p`` in the client's prototype list the client picks
+  the current class ``n`` whose prototype is most cosine-similar (Eqs. 6-7)
+  and turns real features of class ``n`` into pseudo features of ``p``,
+  ``f^(x_p) = f(x_n) + mu_p - mu_n`` (Eq. 8). The classifier is trained on
+  the real current-task features (the core's cross-entropy) plus these pseudo
+  features (the ``pseudo_ce`` local-loss term).
+* **Prototypical knowledge fusion (server, Sec. 5.2, Eq. 9).** Clients upload
+  their current-task prototypes with counts; the server keeps the global
+  prototype list: a class new to the federation gets the count-weighted mean
+  ``sum_k |D_kc|/|D_c| mu_kc``; a class already known before the current task
+  gets ``beta * (that mean) + (1 - beta) * mu_c^{t-1}``. The list is sent back
+  and overwrites the clients' lists before their next local training. Model
+  weights are FedAvg-ed by the default FedAvg plugin.
+
+Readings chosen where the paper is open (each pinned by a test in
+``tests/test_fedprok.py``):
+
+1. *Nearest class* (Eq. 7 writes argmin of a cosine *similarity*): the base
+   class is the current class of **largest** cosine similarity
+   (``nearest_classes``); ties go to the lowest class id.
+2. *When prototypes are computed*: at the start of every local round, with the
+   weights just received from the server, in eval mode (Algorithm 1, line 4).
+   So all clients of a round compute prototypes in the same feature space, and
+   from task 1 on (frozen extractor) every prototype lives in the frozen space.
+   The prototype ``mu_n`` used for translation is the client's own, freshly
+   computed one; ``mu_p`` comes from the client's list (the fused global list
+   when fusion is on, else the client's own earlier prototypes).
+3. *Pseudo-feature loss*: each pseudo feature counts like one real sample, so
+   the classifier sees the union of real and translated features with every
+   class weighted alike (FeTrIL's balanced training set):
+   ``pseudo_ce = weight * sum_i CE(g(f^_i), p_i) / B`` where ``B`` is the
+   minibatch size and ``i`` runs over the pseudo features built from the
+   minibatch (each old class ``p`` gets one pseudo feature per minibatch sample
+   of its base class). Pseudo features are always detached: they train the
+   classifier only (with a frozen extractor the features carry no gradient
+   anyway).
+4. *EMA anchor for known classes* (Eq. 9, ``mu_c^{t-1}``): the global
+   prototype the class had when the current task began, not the previous
+   round's value; classes whose first task is the current one are replaced by
+   the weighted mean every round of that task.
+5. *Freezing*: ``requires_grad=False`` on every parameter of
+   ``model.features`` and the feature extractor in eval mode (BatchNorm
+   statistics frozen too), from the first local epoch of task index 1 on.
+6. *"Previous" classes of a client*: every class in its prototype list that
+   is not one of its current-task classes (with fusion: every class any client
+   has uploaded before, including classes the client never held).
+
+Ablations (paper Table 1): ``-o fedprok.translation=false`` (w/o FT: no pseudo
+features) and ``-o fedprok.fusion=false`` (w/o PKF: no prototype is uploaded
+or fused; every client translates from its own prototypes only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fedaval import hookimpl
+from fedaval.options import non_negative, option, unit_interval
+from fedaval.plugin import Plugin
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+DOWNLOAD_KEY = "fedprok_prototypes"
+UPLOAD_KEY = "fedprok_prototypes"
+COUNTS_KEY = "fedprok_counts"
+
+
+# ---------------------------------------------------------------------------
+# the maths: plain functions on tensors
+# ---------------------------------------------------------------------------
+
+
+def class_prototypes(features: torch.Tensor, labels: torch.Tensor) -> dict[int, tuple[torch.Tensor, int]]:
+    """FedProK Eq. 5: ``{c: (mean of the features of class c, count)}`` for
+    every class present in ``labels``."""
+    out = {}
+    for c in sorted(int(v) for v in labels.unique()):
+        mask = labels == c
+        out[c] = (features[mask].mean(dim=0), int(mask.sum()))
+    return out
+
+
+def nearest_classes(old_protos: torch.Tensor, new_protos: torch.Tensor) -> torch.Tensor:
+    """FedProK Eqs. 6-7: for each row ``p`` of ``old_protos`` [P, D], the index
+    of the row of ``new_protos`` [N, D] with the largest cosine similarity
+    ``mu_p . mu_n / (|mu_p| |mu_n|)`` (reading 1: the paper's argmin of a
+    similarity is read as the nearest class). Returns [P] int64 indices; ties
+    go to the lowest index. A zero prototype has similarity 0 to everything."""
+    import torch
+
+    old = torch.nn.functional.normalize(old_protos, dim=1)
+    new = torch.nn.functional.normalize(new_protos, dim=1)
+    return (old @ new.T).argmax(dim=1)
+
+
+def translate_features(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    old_classes: list[int],
+    old_protos: torch.Tensor,
+    new_classes: list[int],
+    new_protos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FedProK Eq. 8 (FeTrIL): pseudo features of the previous classes.
+
+    For each old class ``p`` (row of ``old_protos``), its base class ``n`` is
+    :func:`nearest_classes`; every sample of ``features`` labelled ``n`` gives
+    one pseudo feature ``f(x_n) + mu_p - mu_n`` labelled ``p``. Returns
+    ``(pseudo features [M, D], labels [M])``, old classes in the given order,
+    samples in batch order; ``M = 0`` when no base class is in ``labels``."""
+    import torch
+
+    base = nearest_classes(old_protos, new_protos)
+    parts, targets = [], []
+    for i, p in enumerate(old_classes):
+        j = int(base[i])
+        mask = labels == new_classes[j]
+        if not bool(mask.any()):
+            continue
+        parts.append(features[mask] + (old_protos[i] - new_protos[j]))
+        targets.append(torch.full((int(mask.sum()),), p, dtype=torch.long, device=features.device))
+    if not parts:
+        return features.new_zeros((0, features.shape[1])), torch.zeros(0, dtype=torch.long, device=features.device)
+    return torch.cat(parts), torch.cat(targets)
+
+
+def pseudo_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Reading 3: ``sum_i CE(logits_i, labels_i) / batch_size``, so a pseudo
+    feature weighs as much as a real sample of the minibatch."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / max(batch_size, 1)
+
+
+def fuse_prototypes(
+    uploads: list[tuple[dict[int, torch.Tensor], dict[int, int]]],
+    anchor: dict[int, torch.Tensor],
+    beta: float,
+) -> dict[int, torch.Tensor]:
+    """FedProK Eq. 9, for the classes in ``uploads`` (one ``(prototypes,
+    counts)`` pair per client).
+
+    ``m_c = sum_k |D_kc| / |D_c| * mu_kc`` over the clients that uploaded
+    ``c`` (``|D_c|`` = their total count). A class in ``anchor`` (known to the
+    federation before the current task; value ``mu_c^{t-1}``) becomes
+    ``beta * m_c + (1 - beta) * anchor[c]``; any other class becomes ``m_c``.
+    Returns only the uploaded classes; classes with zero total count are left
+    out."""
+    import torch
+
+    sums: dict[int, torch.Tensor] = {}
+    totals: dict[int, int] = {}
+    for protos, counts in uploads:
+        for c, mu in protos.items():
+            n = int(counts.get(c, 0))
+            if n <= 0:
+                continue
+            term = mu.to(torch.float64) * n
+            sums[c] = sums[c] + term if c in sums else term
+            totals[c] = totals.get(c, 0) + n
+    fused = {}
+    for c, total in totals.items():
+        mean = sums[c] / total
+        if c in anchor:
+            mean = beta * mean + (1 - beta) * anchor[c].to(torch.float64)
+        fused[c] = mean.to(torch.float32)
+    return fused
+
+
+# ---------------------------------------------------------------------------
+# the plugin: hook glue
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class FedProKOptions:
+    translation: bool = option(True, "feature translation on the clients (false: ablation w/o FT)")
+    fusion: bool = option(True, "prototypical knowledge fusion on the server (false: ablation w/o PKF)")
+    beta: float = option(0.5, "Eq. 9: weight of this round's mean for a class known before the task", unit_interval)
+    freeze: bool = option(True, "freeze the feature extractor from task index 1 on (FeTrIL)")
+    weight: float = option(1.0, "weight of the pseudo-feature cross-entropy", non_negative)
+
+
+class FedProK(Plugin):
+    """Client: prototypes, frozen extractor, translated pseudo features of old
+    classes. Server: count-weighted prototype fusion with EMA for known classes.
+
+    State: ``library[k]`` client ``k``'s prototype list (class -> prototype,
+    overwritten by the global list on receive), ``current[k]`` its current-task
+    prototypes and counts (class -> (prototype, count)), ``global_prototypes``
+    the server's knowledge base, ``anchor`` the global list as it was when the
+    current task began, ``anchor_task`` that task."""
+
+    name = "fedprok"
+    description = "FedProK: feature translation of old classes from prototypes + server prototype fusion"
+    Options = FedProKOptions
+
+    def __init__(self, options: Any = None):
+        super().__init__(options)
+        self.library: dict[int, dict[int, Any]] = {}
+        self.current: dict[int, dict[int, tuple[Any, int]]] = {}
+        self.global_prototypes: dict[int, Any] = {}
+        self.anchor: dict[int, Any] = {}
+        self.anchor_task = -1
+
+    # --- client -----------------------------------------------------------
+    @hookimpl
+    def fedaval_client_receive(self, run, client, download):
+        fused = download.get(DOWNLOAD_KEY)
+        if self.options.fusion and fused:
+            library = self.library.setdefault(client.id, {})
+            for c, mu in fused.items():
+                library[int(c)] = mu.detach().clone().to(run.device)
+
+    def frozen(self, client) -> bool:
+        return self.options.freeze and client.task >= 1
+
+    @hookimpl
+    def fedaval_local_epoch_start(self, run, client, epoch):
+        if self.frozen(client):
+            for p in client.model.features.parameters():
+                p.requires_grad_(False)
+            client.model.features.eval()
+        if epoch == 0:
+            self.current[client.id] = self.compute_prototypes(run, client)
+
+    def compute_prototypes(self, run, client) -> dict[int, tuple[Any, int]]:
+        """Eq. 5 on the client's current-task training data, extractor in eval
+        mode (reading 2); the model's train/eval modes are restored."""
+        import torch
+        from torch.utils.data import DataLoader
+
+        exp = client.train_stream[client.task]
+        if exp is None:
+            return {}
+        model = client.model
+        modes = [(m, m.training) for m in model.modules()]
+        model.eval()
+        feats, labels = [], []
+        with torch.no_grad():
+            for batch in DataLoader(exp.dataset, batch_size=256, shuffle=False):
+                x, y = batch[0].to(run.device), batch[1].to(run.device)
+                feats.append(model.features(x))
+                labels.append(y)
+        for m, mode in modes:
+            m.train(mode)
+        return class_prototypes(torch.cat(feats), torch.cat(labels))
+
+    @hookimpl
+    def fedaval_local_loss(self, run, client, batch):
+        if not self.options.translation or client.task < 1:
+            return None
+        import torch
+
+        current = self.current.get(client.id) or {}
+        library = self.library.get(client.id) or {}
+        old = [c for c in sorted(library) if c not in current]
+        if not old or not current:
+            return None
+        new = sorted(current)
+        pseudo, labels = translate_features(
+            batch.features.detach(),
+            batch.y,
+            old,
+            torch.stack([library[c] for c in old]),
+            new,
+            torch.stack([current[c][0] for c in new]),
+        )
+        if len(labels) == 0:
+            return {"pseudo_ce": batch.loss.new_zeros(())}
+        logits = client.model.classifier(pseudo)
+        return {"pseudo_ce": self.options.weight * pseudo_cross_entropy(logits, labels, len(batch.y))}
+
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        current = self.current.get(client.id) or {}
+        library = self.library.setdefault(client.id, {})
+        for c, (mu, _) in current.items():
+            library[c] = mu
+        if not self.options.fusion or not current:
+            return None
+        return {
+            UPLOAD_KEY: {c: mu.detach().cpu() for c, (mu, _) in current.items()},
+            COUNTS_KEY: {c: n for c, (_, n) in current.items()},
+        }
+
+    # --- server -----------------------------------------------------------
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        if not self.options.fusion:
+            return None
+        if run.task != self.anchor_task:
+            self.anchor = dict(self.global_prototypes)
+            self.anchor_task = run.task
+        pairs = [(u.get(UPLOAD_KEY), u.get(COUNTS_KEY) or {}) for u in uploads if u.get(UPLOAD_KEY)]
+        self.global_prototypes.update(fuse_prototypes(pairs, self.anchor, self.options.beta))
+        if not self.global_prototypes:
+            return None
+        return {DOWNLOAD_KEY: dict(self.global_prototypes)}
