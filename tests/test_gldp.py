@@ -1,0 +1,267 @@
+"""GLDP: prototype maths against hand-computed values, the personal-head
+split in real digits runs (what is uploaded, what each epoch trains)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fedaval import hookimpl
+from fedaval.api import run_training
+from fedaval.errors import FedavalUsageError
+from fedaval.payload import Upload
+from fedaval.plugins.gldp import (
+    GLDP,
+    class_frequency_weights,
+    global_relation_loss,
+    local_relation_loss,
+)
+from fedaval.plugins.personal import part_of_epoch, personal_shared_keys, resolve_phases
+from fedaval.prototypes import class_means, ema_update, mean_over_holders, nearest_prototype_scores
+
+
+def t(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+# --- prototype maths ---------------------------------------------------------
+
+
+def test_class_means_and_counts():
+    features = t([1, 2], [3, 4], [5, 6])
+    means, counts = class_means(features, torch.tensor([0, 0, 2]))
+    assert set(means) == {0, 2}
+    assert torch.equal(means[0], t(2, 3)) and torch.equal(means[2], t(5, 6))
+    assert counts == {0: 2, 2: 1}
+
+
+def test_local_moving_average_eq9():
+    old = {0: t(1, 1), 1: t(2, 2)}
+    new = {0: t(3, 5), 2: t(7, 7)}
+    out = ema_update(old, new, beta=0.5)
+    assert torch.equal(out[0], t(2, 3))  # 0.5*old + 0.5*new
+    assert torch.equal(out[1], t(2, 2))  # not seen this stage: kept
+    assert torch.equal(out[2], t(7, 7))  # new class: added as is
+    assert torch.equal(old[0], t(1, 1))  # inputs untouched
+    assert torch.allclose(ema_update({0: t(4.0)}, {0: t(0.0)}, beta=0.75)[0], t(3.0))
+
+
+def test_mean_over_holders():
+    out = mean_over_holders([{0: t(1, 1), 1: t(0, 2)}, {0: t(3, 3)}])
+    assert torch.equal(out[0], t(2, 2)) and torch.equal(out[1], t(0, 2))
+
+
+def _server_round(plugin, round, task, uploads):
+    run = SimpleNamespace(task=task, rounds_of_task=lambda k: range(2 * k + 1, 2 * k + 3))
+    ups = [Upload(i, 10, {"gldp_prototypes": p}) for i, p in enumerate(uploads)]
+    return plugin.fedaval_server_fuse(run=run, uploads=ups, round=round)["gldp_prototypes"]
+
+
+def test_global_moving_average_eq11_one_step_per_stage():
+    plugin = GLDP()  # beta 0.5; stages of 2 rounds
+    g = _server_round(plugin, 1, 0, [{0: t(1, 1), 1: t(0, 2)}, {0: t(3, 3)}])
+    assert torch.equal(g[0], t(2, 2)) and torch.equal(g[1], t(0, 2))  # new classes: plain mean, as is
+    g = _server_round(plugin, 2, 0, [{0: t(5, 5)}])  # same stage: joins the mean, no second EMA step
+    assert torch.equal(g[0], t(3, 3)) and torch.equal(g[1], t(0, 2))
+    g = _server_round(plugin, 3, 1, [{0: t(1, 1)}])  # next stage: 0.5 * 3 + 0.5 * 1
+    assert torch.equal(g[0], t(2, 2)) and torch.equal(g[1], t(0, 2))
+    g = _server_round(plugin, 4, 1, [])  # no upload: unchanged
+    assert torch.equal(g[0], t(2, 2))
+
+
+def test_class_frequency_weights():
+    assert class_frequency_weights(torch.tensor([0, 0, 0, 1])) == {0: 0.75, 1: 0.25}
+
+
+def test_global_relation_loss_eq10_weighted_mse():
+    current = {0: t(1, 1), 1: t(0, 2), 3: t(9, 9)}
+    global_set = {0: t(0, 0), 1: t(0, 0), 2: t(5, 5)}
+    # class 3 has no global prototype: left out; 0.75 * mean(1, 1) + 0.25 * mean(0, 4)
+    loss = global_relation_loss(current, global_set, {0: 0.75, 1: 0.25, 3: 1.0})
+    assert loss.item() == pytest.approx(0.75 * 1 + 0.25 * 2)
+    assert global_relation_loss({3: t(1, 1)}, global_set, {3: 1.0}) is None
+
+
+def test_local_relation_loss_eq8_reading():
+    # KL(softmax(old) || softmax(current)); old=(0,0) -> P=(1/2,1/2), current=(ln 3, 0) -> Q=(3/4,1/4)
+    current = {0: t(math.log(3), 0.0), 5: t(1.0, 2.0)}
+    old = {0: t(0.0, 0.0), 7: t(1.0, 1.0)}
+    expected = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25)
+    assert local_relation_loss(current, old).item() == pytest.approx(expected, rel=1e-5)
+    # averaged over the classes that have an old prototype; identical prototypes cost nothing
+    two = local_relation_loss({0: t(math.log(3), 0.0), 7: t(1.0, 1.0)}, old)
+    assert two.item() == pytest.approx(expected / 2, rel=1e-5)
+    assert local_relation_loss({5: t(1.0, 2.0)}, old) is None
+
+
+def test_losses_are_differentiable_in_the_features():
+    features = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    current, _ = class_means(features, torch.tensor([0, 0]))
+    loss = global_relation_loss(current, {0: t(0, 0)}, {0: 1.0}) + local_relation_loss(current, {0: t(2, 0)})
+    loss.backward()
+    assert features.grad is not None and features.grad.abs().sum() > 0
+
+
+def test_nearest_prototype_prediction_eq13():
+    features = t([0, 0], [3, 3.5])
+    scores = nearest_prototype_scores(features, {1: t(0, 1), 4: t(3, 3)}, num_classes=5)
+    assert scores.shape == (2, 5)
+    assert scores.argmax(dim=1).tolist() == [1, 4]
+    assert scores[0, 1].item() == pytest.approx(-1.0) and scores[1, 4].item() == pytest.approx(-0.5)
+    assert torch.isinf(scores[:, [0, 2, 3]]).all()  # no prototype: never predicted
+
+
+def test_classify_uses_heads_in_training_and_the_chosen_prototypes_in_evaluation():
+    run = SimpleNamespace(num_classes=3)
+    features = t([0, 0])
+    for predict, expected in (("global", 0), ("local", 2)):
+        plugin = GLDP(GLDP.Options(predict=predict))
+        plugin.global_set = {0: t(0, 0), 1: t(5, 5)}
+        plugin.local = {7: {2: t(0.1, 0)}}
+        assert plugin.fedaval_classify(run=run, owner=7, model=None, features=features, training=True) is None
+        got = plugin.fedaval_classify(run=run, owner=7, model=None, features=features, training=False)
+        assert got.argmax(dim=1).item() == expected
+        glob = plugin.fedaval_classify(run=run, owner=None, model=None, features=features, training=False)
+        assert glob.argmax(dim=1).item() == 0  # the global model always uses the global set
+    assert GLDP().fedaval_classify(run=run, owner=1, model=None, features=features, training=False) is None
+
+
+def test_phase_rule():
+    third = lambda e: max(1, round(e / 3))  # noqa: E731
+    assert resolve_phases(3, None, None, third, ("t", "s"), "gldp") == (1, 2)
+    assert resolve_phases(30, None, None, third, ("t", "s"), "gldp") == (10, 20)
+    assert resolve_phases(1, None, None, third, ("t", "s"), "gldp") is None
+    assert resolve_phases(4, None, 1, third, ("t", "s"), "gldp") == (3, 1)
+    assert resolve_phases(4, 1, 3, third, ("t", "s"), "gldp") == (1, 3)
+    with pytest.raises(FedavalUsageError, match="pass --local-epochs 3"):
+        resolve_phases(1, 1, 2, third, ("t", "s"), "gldp")
+    with pytest.raises(FedavalUsageError, match="does not fit"):
+        resolve_phases(2, 5, None, third, ("t", "s"), "gldp")
+    assert [part_of_epoch(e, (1, 2), ("base", "head")) for e in range(3)] == ["base", "head", "head"]
+    assert part_of_epoch(0, None, ("base", "head")) == "all"
+
+
+# --- real runs ------------------------------------------------------------------
+
+
+class Probe:
+    """Records uploads, what each local epoch changed, and the download a client
+    sees right after the core loaded it."""
+
+    name = "probe"
+
+    def __init__(self):
+        self.upload_keys: list[set[str]] = []
+        self.prototype_uploads: list[tuple[int, int, set[int]]] = []  # (round, client, classes)
+        self.snapshots: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = {}
+        self.received_ok: list[bool] = []
+        self.server_heads: list[torch.Tensor] = []
+
+    @hookimpl(trylast=True)  # after the method set the phase
+    def fedaval_local_epoch_start(self, run, client, epoch):
+        self.snapshots.setdefault((run.round, client.id), []).append(
+            {k: v.detach().clone() for k, v in client.model.state_dict().items()}
+        )
+
+    @hookimpl
+    def fedaval_client_receive(self, run, client, download):
+        state = client.model.state_dict()
+        weights = download["weights"]
+        self.received_ok.append(
+            set(weights) == set(client.shared_keys)
+            and all(torch.equal(state[k], v) for k, v in weights.items())
+            and not any(k.startswith("classifier.") for k in weights)
+        )
+
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        self.snapshots[(run.round, client.id)].append(
+            {k: v.detach().clone() for k, v in client.model.state_dict().items()}
+        )
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        self.server_heads.append(run.server.model.classifier.weight.detach().clone())
+        for u in uploads:
+            self.upload_keys.append(set(u.get("weights")))
+            if u.get("gldp_prototypes"):
+                self.prototype_uploads.append((round, u.client_id, set(u.get("gldp_prototypes"))))
+
+
+def changed(a, b, prefix):
+    return any(not torch.equal(a[k], b[k]) for k in a if k.startswith(prefix))
+
+
+STHFL = dict(scenario="sthfl", scenario_options={"clients": 3, "classes_per_task": 3, "tasks": 2, "imbalance": 2.0})
+
+
+@pytest.fixture(scope="module")
+def gldp_run(tmp_path_factory):
+    from fedaval.config import RunConfig
+
+    probe = Probe()
+    plugin_holder = {}
+
+    class Keep:
+        name = "keep"
+
+        @hookimpl
+        def fedaval_setup(self, run):
+            plugin_holder["gldp"] = run.plugins.objects["gldp"]
+            plugin_holder["run"] = run
+
+    config = RunConfig(
+        plugins=["gldp"], plugin_options={"gldp": {"t": 1, "s": 2}}, dataset="digits", rounds_per_task=2,
+        local_epochs=3, device="cpu", seed=0, out=str(tmp_path_factory.mktemp("gldp") / "run"), **STHFL,
+    )
+    results = run_training(config, extra_plugins=[probe, Keep()])
+    return results, probe, plugin_holder["gldp"], plugin_holder["run"]
+
+
+def test_only_the_base_is_uploaded_and_averaged(gldp_run):
+    results, probe, plugin, run = gldp_run
+    model = run.clients[0].model
+    assert probe.upload_keys and all(keys == set(personal_shared_keys(model)) for keys in probe.upload_keys)
+    assert all(not any(k.startswith("classifier.") for k in keys) for keys in probe.upload_keys)
+    assert all(probe.received_ok)
+    # the server's head never moves; each client's base is the download, its head its own
+    assert len(probe.server_heads) == 4 and all(torch.equal(h, probe.server_heads[0]) for h in probe.server_heads)
+
+
+def test_base_epochs_then_head_epochs(gldp_run):
+    _, probe, _, _ = gldp_run
+    assert probe.snapshots
+    for snaps in probe.snapshots.values():
+        assert len(snaps) == 4  # 3 epoch starts + the upload
+        assert changed(snaps[0], snaps[1], "features.") and not changed(snaps[0], snaps[1], "classifier.")
+        for a, b in ((snaps[1], snaps[2]), (snaps[2], snaps[3])):
+            assert changed(a, b, "classifier.") and not changed(a, b, "features.")
+
+
+def test_prototypes_uploaded_at_task_end_and_kept_locally(gldp_run):
+    results, probe, plugin, run = gldp_run
+    classes = results["scenario"]["client_task_classes"]
+    # every client trains in every round (clients_per_round=0): task ends at rounds 2 and 4
+    assert sorted((r, k) for r, k, _ in probe.prototype_uploads) == [(r, k) for r in (2, 4) for k in range(3)]
+    for r, k, sent in probe.prototype_uploads:
+        assert sent == set(classes[k][r // 2 - 1])  # the classes of that task only
+    for k in range(3):
+        assert set(plugin.local[k]) == set(classes[k][0]) | set(classes[k][1])
+    assert set(plugin.global_set) == {c for k in range(3) for task in classes[k] for c in task}
+
+
+def test_losses_and_metrics_are_recorded(gldp_run):
+    results, *_ = gldp_run
+    rounds = results["rounds"]
+    assert all({"loss/gldp_lp", "loss/gldp_gp"} <= set(r["losses"]) for r in rounds)
+    assert rounds[0]["losses"]["loss/gldp_gp"] == 0  # no global prototype before the first task end
+    assert rounds[2]["losses"]["loss/gldp_gp"] > 0
+    assert 0 <= rounds[-1]["gldp_a_loc_gp"] <= 1 and 0 <= rounds[-1]["gldp_a_loc_lp"] <= 1
+
+
+def test_epochs_that_do_not_add_up_are_a_usage_error(tiny_config):
+    with pytest.raises(FedavalUsageError, match="pass --local-epochs 3"):
+        run_training(tiny_config(plugins=["gldp"], plugin_options={"gldp": {"t": 1, "s": 2}}, local_epochs=1))
