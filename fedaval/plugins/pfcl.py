@@ -1,0 +1,269 @@
+"""PFCL: prototype-based federated continual learning with distillation and
+replay (Zhang, Yang, Yu, Hu, Jing, Sci Sin Inform 2024; ``shared/methods.md``
+section 3). The maths is in :mod:`fedaval.plugins.pfcl_math`; this module is
+the hook glue.
+
+What happens, per client and round (the paper's Algorithm 2):
+
+* the training set is the current task's data plus the client's exemplar
+  memory (``fedaval_task_start`` swaps the task's dataloader for one over
+  both, once per task);
+* the linear head is unused: ``fedaval_classify`` scores class k by
+  -dis(f(x), p_k)/T over the client's *local* prototype library (Eq. 11), so
+  the core's cross-entropy is L_C (Eq. 12) and evaluation is nearest
+  prototype (Eq. 3);
+* ``fedaval_local_loss`` adds alpha * L_D (Eqs. 6-8, against the previous
+  task's frozen model) and beta * L_R (Eq. 5, towards the global prototypes);
+* after training the client recomputes its prototypes (Eq. 2) on its data
+  plus memory and uploads them - no weights (``fedaval_shared_keys`` is
+  ``[]``, so FedAvg's upload is an empty dict);
+* at the end of a task (``fedaval_task_end``) it re-selects the memory by
+  distance to the class prototypes (Eq. 9) and freezes a copy of the model
+  and its prototypes as the next task's distillation teacher.
+
+The server averages each class's prototype over the clients that uploaded it
+(Eq. 4), keeps every class ever learned, and broadcasts the library.
+
+Readings where the paper is silent:
+
+* Classes that have no prototype yet: when a client starts a task it
+  computes the prototypes of every class of that task (and of its memory)
+  with its current model before the first minibatch, so every training
+  label has a prototype; they are recomputed after every round.
+* A client classifies over its own local prototypes of the classes it has
+  seen (not over other clients' classes); the global library only enters
+  through L_R. The server's model is never trained (no weights are averaged);
+  for ``owner=None`` the global library scores the server model's features,
+  so ``global_accuracy`` is not a PFCL figure - ``mean_client_accuracy`` is.
+* L_R uses the minibatch's class means as the differentiable local
+  prototypes (see :func:`~fedaval.plugins.pfcl_math.prototype_regulariser`).
+* Prototypes are computed with the model in eval mode (BatchNorm running
+  statistics), as it is used at test time.
+* The paper gives no alpha, beta or memory size; the defaults here are ours.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Literal
+
+from fedaval import hookimpl
+from fedaval.errors import FedavalUsageError
+from fedaval.options import non_negative, option, positive
+from fedaval.plugin import Plugin
+
+
+def _at_least_one(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
+def _positive_or_none(value) -> str | None:
+    return None if value is None or value >= 1 else "must be >= 1 (or none: the model's default)"
+
+
+class _MemoryDataset:
+    """Exemplars as a map-style dataset yielding ``(x, y, task_label=0)``,
+    the shape of Avalanche's samples."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], 0
+
+
+class PFCL(Plugin):
+    """PFCL: prototype classifier, prototype-only federation, L_D, L_R, replay."""
+
+    name = "pfcl"
+    description = "PFCL: prototype-only federation, distance-softmax classifier, distillation and replay"
+
+    @dataclass
+    class Options:
+        alpha: float = option(1.0, "weight of the distillation loss L_D (0: PFCL without L_D)", non_negative)
+        beta: float = option(0.1, "weight of the prototype loss L_R (0: PFCL without L_R)", non_negative)
+        temperature: float = option(2.0, "T of the distillation softmax, Eqs. (7)-(8)", positive)
+        classifier_temperature: float = option(
+            2.0, "T of the prototype classifier, Eq. (11) (the paper writes the same T)", positive
+        )
+        memory: Literal["per-class", "total", "none"] = option(
+            "per-class", "exemplar memory policy: fixed number per class, fixed total, or none"
+        )
+        memory_per_class: int = option(20, "exemplars per class (memory=per-class)", _at_least_one)
+        memory_size: int = option(200, "exemplars in all, shared by the seen classes (memory=total)", _at_least_one)
+        models: list[str] = option([], "backbones cycled over clients, e.g. mlp,cnn (empty: --model)")
+        feature_dim: int | None = option(None, "feature size of every backbone (none: model default)", _positive_or_none)
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.library: dict = {}  # server: class -> global prototype
+        self.local: dict = {}  # client id -> {class: local prototype}
+        self.received: dict = {}  # client id -> global library last received
+        self.memory: dict = {}  # client id -> (x, y) exemplars
+        self.teacher: dict = {}  # client id -> (frozen model, {class: its prototype})
+        self._fresh: dict = {}  # client id -> round whose prototypes are in self.local
+
+    # --- set-up ---------------------------------------------------------------
+    @hookimpl
+    def fedaval_setup(self, run):
+        from fedaval.models import MODELS
+
+        for name in self.options.models:
+            if name not in MODELS:
+                raise FedavalUsageError(f"bad value pfcl.models={name!r}; allowed: {', '.join(sorted(MODELS))}")
+            if name == "resnet18" and self.options.feature_dim not in (None, 512):
+                raise FedavalUsageError("bad value pfcl.feature_dim: resnet18 has 512-d features")
+
+    @hookimpl
+    def fedaval_make_model(self, run, client_id):
+        """Backbone ``models[client_id % len(models)]`` (the server gets the
+        first), all with ``feature_dim`` features: no weights are averaged, so
+        clients may differ (Section 3.1)."""
+        from fedaval.models import MODELS, build_model
+
+        names = self.options.models
+        dim = self.options.feature_dim
+        if not names and dim is None:
+            return None
+        name = names[(client_id or 0) % len(names)] if names else run.config.model
+        if name == "auto":
+            name = "mlp" if run.data.input_shape[-1] <= 8 else "cnn"
+        if dim is None or name == "resnet18":
+            return build_model(name, run.data.input_shape, run.num_classes)
+        return MODELS[name](run.data.input_shape, run.num_classes, feature_dim=dim)
+
+    @hookimpl
+    def fedaval_shared_keys(self, run, model):
+        return []  # prototypes only: no weight goes up or down
+
+    # --- client round -----------------------------------------------------------
+    @hookimpl
+    def fedaval_client_receive(self, run, client, download):
+        if "prototypes" in download:
+            self.received[client.id] = {c: p.to(run.device) for c, p in download["prototypes"].items()}
+
+    @hookimpl
+    def fedaval_task_start(self, run, client, task):
+        """Train on task data plus memory; give the task's classes prototypes."""
+        from torch.utils.data import ConcatDataset, DataLoader
+
+        strategy = client.strategy
+        if client.id in self.memory:
+            strategy.dataloader = DataLoader(
+                ConcatDataset([strategy.adapted_dataset, _MemoryDataset(*self.memory[client.id])]),
+                batch_size=strategy.train_mb_size,
+                shuffle=True,
+            )
+        self.local.setdefault(client.id, {}).update(self._prototypes(run, client, task))
+
+    @hookimpl
+    def fedaval_classify(self, run, owner, model, features, training):
+        from fedaval.plugins.pfcl_math import library_logits
+
+        library = self.library if owner is None else self.local.get(owner, {})
+        return library_logits(features, library, run.num_classes, self.options.classifier_temperature)
+
+    @hookimpl
+    def fedaval_local_loss(self, run, client, batch):
+        import torch
+
+        from fedaval.plugins.pfcl_math import distillation_loss, prototype_regulariser, stack_library
+
+        terms = {}
+        teacher = self.teacher.get(client.id)
+        if self.options.alpha > 0 and teacher is not None:
+            model, old = teacher
+            classes, teacher_protos = stack_library(old)
+            local = self.local[client.id]
+            student_protos = torch.stack([local[c] for c in classes])
+            with torch.no_grad():
+                teacher_features = model.features(batch.x)
+            terms["pfcl_distillation"] = self.options.alpha * distillation_loss(
+                batch.features, student_protos, teacher_features, teacher_protos, self.options.temperature
+            )
+        received = self.received.get(client.id)
+        if self.options.beta > 0 and received:
+            terms["pfcl_prototype"] = self.options.beta * prototype_regulariser(batch.features, batch.y, received)
+        return terms
+
+    @hookimpl
+    def fedaval_task_end(self, run, client, task):
+        """Algorithm 2, lines 9-12: prototypes, then memory by Eq. (9), then
+        freeze the teacher."""
+        from fedaval.plugins.pfcl_math import memory_quota, select_exemplars
+
+        x, y, features = self._features(run, client, task)
+        self._set_local(run, client, features, y)
+        library = self.local[client.id]
+        quota = memory_quota(
+            self.options.memory, len(library), self.options.memory_per_class, self.options.memory_size
+        )
+        keep = select_exemplars(features, y, library, quota)
+        if len(keep):
+            keep = keep.cpu()
+            self.memory[client.id] = (x[keep], y.cpu()[keep])
+        else:
+            self.memory.pop(client.id, None)
+        frozen = copy.deepcopy(client.model).eval()
+        for p in frozen.parameters():
+            p.requires_grad_(False)
+        self.teacher[client.id] = (frozen, {c: p.clone() for c, p in library.items()})
+
+    # --- upload and fusion ------------------------------------------------------
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        """Algorithm 2, line 8: the local prototypes (Eq. 2) of every class the
+        client has learned, recomputed on its task data plus memory."""
+        if self._fresh.get(client.id) != run.round:
+            self.local.setdefault(client.id, {}).update(self._prototypes(run, client, client.task))
+            self._fresh[client.id] = run.round
+        return {"prototypes": {c: p.detach().clone() for c, p in self.local[client.id].items()}}
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        from fedaval.plugins.pfcl_math import fuse_prototypes, update_library
+
+        fused = fuse_prototypes([u.get("prototypes") for u in uploads if u.get("prototypes")])
+        self.library = update_library(self.library, fused)
+        return {"prototypes": self.library}
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        return {"pfcl_library_classes": len(self.library)}
+
+    # --- helpers ------------------------------------------------------------------
+    def _features(self, run, client, task):
+        """Images, labels and eval-mode features of the task's data plus memory."""
+        import torch
+        from torch.utils.data import ConcatDataset, DataLoader
+
+        datasets = [client.train_stream[task].dataset]
+        if client.id in self.memory:
+            datasets.append(_MemoryDataset(*self.memory[client.id]))
+        model = client.model
+        was_training = model.training
+        model.eval()
+        xs, ys, fs = [], [], []
+        with torch.no_grad():
+            for x, y, *_ in DataLoader(ConcatDataset(datasets), batch_size=256):
+                xs.append(x)
+                ys.append(y)
+                fs.append(model.features(x.to(run.device)))
+        model.train(was_training)
+        return torch.cat(xs), torch.cat(ys).to(run.device), torch.cat(fs)
+
+    def _prototypes(self, run, client, task):
+        from fedaval.plugins.pfcl_math import class_means
+
+        _, y, features = self._features(run, client, task)
+        return class_means(features, y)
+
+    def _set_local(self, run, client, features, y):
+        from fedaval.plugins.pfcl_math import class_means
+
+        self.local.setdefault(client.id, {}).update(class_means(features, y))
+        self._fresh[client.id] = run.round
