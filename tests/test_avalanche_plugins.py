@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from fedaval import hookimpl
@@ -16,6 +17,15 @@ from fedaval.coordinator import train
 from fedaval.errors import FedavalUsageError
 from fedaval.plugin_manager import instantiate, resolve_plugin
 from fedaval.run import Run
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is ~20x faster than several on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def run_with(config, extra=()):
