@@ -27,8 +27,8 @@
   ``predict=global``) or the client's local set (GLDP-LP, ``predict=local``);
   the global model always uses the global set. Reading: evaluation uses the
   latest global set (the one the next broadcast carries). Both variants'
-  A_loc are also reported every evaluated round as ``gldp_a_loc_gp`` and
-  ``gldp_a_loc_lp``, whichever ``predict`` is.
+  A_loc are also reported at the end of every stage as ``gldp_a_loc_gp``
+  and ``gldp_a_loc_lp``, whichever ``predict`` is.
 """
 
 from __future__ import annotations
@@ -203,7 +203,11 @@ class GLDP(PersonalHead, Plugin):
     def fedaval_round_metrics(self, run, round):
         """A_loc of both GLDP-GP and GLDP-LP (each client's base on the test
         data of its seen classes), from one run. A client's test features are
-        recomputed only after it trained again; the prototypes are the latest."""
+        recomputed only after it trained again; the prototypes are the latest.
+        Computed at the end of each stage only (one more pass over each
+        client's test data)."""
+        if round != run.rounds_of_task(run.task)[-1]:
+            return None
         accs: dict[str, list[float]] = {"global": [], "local": []}
         for client in run.clients:
             if not client.tasks_started:
