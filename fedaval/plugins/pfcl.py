@@ -58,10 +58,6 @@ def _at_least_one(value: int) -> str | None:
     return None if value >= 1 else "must be >= 1"
 
 
-def _positive_or_none(value) -> str | None:
-    return None if value is None or value >= 1 else "must be >= 1 (or none: the model's default)"
-
-
 class _MemoryDataset:
     """Exemplars as a map-style dataset yielding ``(x, y, task_label=0)``,
     the shape of Avalanche's samples."""
@@ -88,7 +84,7 @@ class PFCL(Plugin):
         beta: float = option(0.1, "weight of the prototype loss L_R (0: PFCL without L_R)", non_negative)
         temperature: float = option(2.0, "T of the distillation softmax, Eqs. (7)-(8)", positive)
         classifier_temperature: float = option(
-            2.0, "T of the prototype classifier, Eq. (11) (the paper writes the same T)", positive
+            1.0, "T of the prototype classifier, Eq. (11) (the paper writes one T for both)", positive
         )
         memory: Literal["per-class", "total", "none"] = option(
             "per-class", "exemplar memory policy: fixed number per class, fixed total, or none"
@@ -96,7 +92,7 @@ class PFCL(Plugin):
         memory_per_class: int = option(20, "exemplars per class (memory=per-class)", _at_least_one)
         memory_size: int = option(200, "exemplars in all, shared by the seen classes (memory=total)", _at_least_one)
         models: list[str] = option([], "backbones cycled over clients, e.g. mlp,cnn (empty: --model)")
-        feature_dim: int | None = option(None, "feature size of every backbone (none: model default)", _positive_or_none)
+        feature_dim: int = option(0, "feature size of every backbone (0: the model's default)", non_negative)
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -115,7 +111,7 @@ class PFCL(Plugin):
         for name in self.options.models:
             if name not in MODELS:
                 raise FedavalUsageError(f"bad value pfcl.models={name!r}; allowed: {', '.join(sorted(MODELS))}")
-            if name == "resnet18" and self.options.feature_dim not in (None, 512):
+            if name == "resnet18" and self.options.feature_dim not in (0, 512):
                 raise FedavalUsageError("bad value pfcl.feature_dim: resnet18 has 512-d features")
 
     @hookimpl
@@ -127,12 +123,12 @@ class PFCL(Plugin):
 
         names = self.options.models
         dim = self.options.feature_dim
-        if not names and dim is None:
+        if not names and not dim:
             return None
         name = names[(client_id or 0) % len(names)] if names else run.config.model
         if name == "auto":
             name = "mlp" if run.data.input_shape[-1] <= 8 else "cnn"
-        if dim is None or name == "resnet18":
+        if not dim or name == "resnet18":
             return build_model(name, run.data.input_shape, run.num_classes)
         return MODELS[name](run.data.input_shape, run.num_classes, feature_dim=dim)
 

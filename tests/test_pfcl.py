@@ -1,0 +1,155 @@
+"""PFCL as a plugin: prototype-only communication, replay memory in the
+training batches, heterogeneous backbones, on fcl-random over digits."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from fedaval import hookimpl
+from fedaval.api import run_training
+from fedaval.errors import FedavalUsageError
+from fedaval.plugin import Plugin
+
+SCENARIO = {"clients": 2, "classes_per_task": 2, "min_tasks": 2, "max_tasks": 2}
+
+
+class LabelProbe:
+    """Records, per (client, task), the labels of the minibatches that reach
+    the loss, and keeps a handle on the PFCL plugin."""
+
+    name = "label-probe"
+
+    def __init__(self):
+        self.labels: dict[tuple[int, int], Counter] = {}
+        self.pfcl = None
+
+    @hookimpl
+    def fedaval_setup(self, run):
+        self.pfcl = run.plugins.objects["pfcl"]
+
+    @hookimpl
+    def fedaval_local_loss(self, run, client, batch):
+        self.labels.setdefault((client.id, client.task), Counter()).update(batch.y.tolist())
+
+
+class SameCNN(Plugin):
+    """FedAvg's clients get PFCL's model: the small CNN with 32-d features."""
+
+    name = "same-cnn"
+
+    @hookimpl
+    def fedaval_make_model(self, run, client_id):
+        from fedaval.models import cnn
+
+        return cnn(run.data.input_shape, run.num_classes, feature_dim=32)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from fedaval.config import RunConfig
+
+    def config(plugins, options, name):
+        return RunConfig(
+            plugins=plugins, plugin_options=options, scenario="fcl-random", scenario_options=dict(SCENARIO),
+            dataset="digits", rounds_per_task=1, local_epochs=1, batch_size=32, device="cpu", seed=0,
+            out=str(tmp_path_factory.mktemp(name) / "run"),
+        )
+
+    probe = LabelProbe()
+    pfcl = run_training(
+        config(["pfcl"], {"pfcl": {"models": "cnn", "feature_dim": 32, "memory": "total", "memory_size": 8}}, "pfcl"),
+        extra_plugins=[probe],
+    )
+    fedavg = run_training(config(["fedavg"], {}, "fedavg"), extra_plugins=[SameCNN()])
+    mixed_probe = LabelProbe()
+    mixed = run_training(
+        config(["pfcl"], {"pfcl": {"models": "mlp,cnn", "feature_dim": 16, "memory": "per-class",
+                                   "memory_per_class": 3}}, "mixed"),
+        extra_plugins=[mixed_probe],
+    )
+    return {"pfcl": (pfcl, probe), "fedavg": fedavg, "mixed": (mixed, mixed_probe)}
+
+
+def test_prototypes_only_bytes_per_round_at_least_100x_below_fedavg(runs):
+    pfcl, _ = runs["pfcl"]
+    fedavg = runs["fedavg"]
+    assert [r["clients"] for r in pfcl["rounds"]] == [r["clients"] for r in fedavg["rounds"]]
+    for p, f in zip(pfcl["rounds"], fedavg["rounds"]):
+        assert f["bytes_up"] >= 100 * p["bytes_up"], (p["round"], p["bytes_up"], f["bytes_up"])
+        if p["round"] > 1:  # round 1's download is empty for PFCL
+            assert f["bytes_down"] >= 100 * p["bytes_down"], (p["round"], p["bytes_down"], f["bytes_down"])
+    # what goes up is one 32-d float prototype (+ 8-byte class key) per learned class, plus the
+    # entry names "weights" (an empty dict) and "prototypes" and the sample count: 3 x 8 bytes per client
+    _, probe = runs["pfcl"]
+    first = pfcl["rounds"][0]
+    classes = sum(len(pfcl["scenario"]["client_task_classes"][k][0]) for k in first["clients"])
+    assert first["bytes_up"] == classes * (32 * 4 + 8) + 24 * len(first["clients"])
+
+
+def test_server_library_keeps_every_class_ever_learned(runs):
+    pfcl, probe = runs["pfcl"]
+    taught = set()
+    for record in pfcl["rounds"]:
+        for k in record["clients"]:
+            taught.update(pfcl["scenario"]["client_task_classes"][k][record["task"]])
+        assert record["pfcl_library_classes"] == len(taught)
+    assert sorted(probe.pfcl.library) == sorted(taught)
+
+
+def test_memory_fixed_total_policy_and_replay_in_training_batches(runs):
+    pfcl, probe = runs["pfcl"]
+    plugin = probe.pfcl
+    task_classes = pfcl["scenario"]["client_task_classes"]
+    for k, tasks in enumerate(task_classes):
+        seen = sorted(c for t in tasks for c in t)
+        _, y = plugin.memory[k]
+        counts = Counter(y.tolist())
+        assert sorted(counts) == seen
+        assert set(counts.values()) == {8 // len(seen)}  # equal share of the fixed total
+        # from the second task on, the old classes come back through the memory
+        for t in range(1, len(tasks)):
+            trained = set(probe.labels[(k, t)])
+            old = {c for s in tasks[:t] for c in s}
+            assert trained == set(tasks[t]) | old
+
+
+def test_memory_per_class_policy_and_heterogeneous_backbones(runs):
+    from torch import nn
+
+    mixed, probe = runs["mixed"]
+    plugin = probe.pfcl
+    task_classes = mixed["scenario"]["client_task_classes"]
+    for k, tasks in enumerate(task_classes):
+        _, y = plugin.memory[k]
+        assert Counter(y.tolist()) == Counter({c: 3 for t in tasks for c in t})
+    # client 0 got the MLP, client 1 the CNN, both with 16-d prototypes
+    assert probe.pfcl.local[0] and all(p.shape == (16,) for lib in plugin.local.values() for p in lib.values())
+    assert mixed["final"] is not None
+    # teachers are frozen snapshots, one per client that finished a task
+    assert set(plugin.teacher) == {0, 1}
+    assert not any(p.requires_grad for model, _ in plugin.teacher.values() for p in model.parameters())
+    # both backbones learn: every client's nearest-prototype accuracy is far above chance
+    accuracy = mixed["rounds"][-1]["client_accuracy"]
+    assert all(v > 0.6 for v in accuracy.values()), accuracy
+    assert mixed["rounds"][-1]["bytes_up"] < 2000
+    kinds = {k: any(isinstance(m, nn.Conv2d) for m in probe.pfcl.teacher[k][0].modules()) for k in (0, 1)}
+    assert kinds == {0: False, 1: True}
+
+
+def test_losses_logged_by_name(runs):
+    pfcl, _ = runs["pfcl"]
+    later = [r for r in pfcl["rounds"] if r["task"] >= 1]
+    assert all("loss/pfcl_distillation" in r["losses"] for r in later)
+    assert any("loss/pfcl_prototype" in r["losses"] for r in pfcl["rounds"])
+    assert all("loss/pfcl_distillation" not in r["losses"] for r in pfcl["rounds"] if r["task"] == 0)
+
+
+def test_bad_options_are_one_line_errors(tiny_config):
+    with pytest.raises(FedavalUsageError, match="pfcl.models='transformer'"):
+        run_training(tiny_config(plugins=["pfcl"], plugin_options={"pfcl": {"models": "transformer"}}))
+    with pytest.raises(FedavalUsageError, match="unknown option pfcl.memroy"):
+        run_training(tiny_config(plugins=["pfcl"], plugin_options={"pfcl": {"memroy": "none"}}))
+    with pytest.raises(FedavalUsageError, match="pfcl.memory"):
+        run_training(tiny_config(plugins=["pfcl"], plugin_options={"pfcl": {"memory": "all"}}))
