@@ -1,0 +1,200 @@
+"""FedProK: feature translation and prototype fusion against hand-computed
+tensors, the plugin's server state, and a digits run (frozen extractor,
+fused prototypes reaching the clients, ablations)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fedaval import hookimpl
+from fedaval.api import run_training
+from fedaval.errors import FedavalUsageError
+from fedaval.options import build_options
+from fedaval.payload import Upload
+from fedaval.plugins.fedprok import (
+    COUNTS_KEY,
+    DOWNLOAD_KEY,
+    UPLOAD_KEY,
+    FedProK,
+    FedProKOptions,
+    class_prototypes,
+    fuse_prototypes,
+    nearest_classes,
+    pseudo_cross_entropy,
+    translate_features,
+)
+
+T = torch.tensor
+
+
+# --- the maths --------------------------------------------------------------
+
+
+def test_class_prototypes_are_means_with_counts():
+    protos = class_prototypes(T([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), T([0, 1, 0]))
+    assert sorted(protos) == [0, 1]
+    assert torch.equal(protos[0][0], T([3.0, 4.0])) and protos[0][1] == 2  # ([1,2]+[5,6])/2
+    assert torch.equal(protos[1][0], T([3.0, 4.0])) and protos[1][1] == 1
+
+
+def test_nearest_class_is_largest_cosine_not_smallest_distance():
+    # old [1,0]: new0=[10,1] has cos 0.995 but distance 9.05; new1=[1,0.5] has
+    # cos 0.894 and distance 0.5. Reading 1: most cosine-similar -> new0.
+    assert nearest_classes(T([[1.0, 0.0]]), T([[10.0, 1.0], [1.0, 0.5]])).tolist() == [0]
+    # [1,0] -> new0 (cos .999 vs .033); [0,1] -> new1; [1,1] -> cos .7415 vs .7302 -> new0
+    old = T([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    new = T([[2.0, 0.1], [0.1, 3.0]])
+    assert nearest_classes(old, new).tolist() == [0, 1, 0]
+
+
+def test_pseudo_feature_is_real_feature_plus_prototype_difference():
+    features = T([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    labels = T([5, 7, 5])
+    new_classes, new_protos = [5, 7], T([[1.0, 0.0], [0.0, 1.0]])
+    old_classes, old_protos = [2, 9], T([[2.0, 0.5], [0.0, 3.0]])  # 2 -> base 5, 9 -> base 7
+    pseudo, targets = translate_features(features, labels, old_classes, old_protos, new_classes, new_protos)
+    # class 2: rows 0 and 2 + (mu_2 - mu_5) = + [1, 0.5]; class 9: row 1 + (mu_9 - mu_7) = + [0, 2]
+    assert torch.allclose(pseudo, T([[2.0, 2.5], [6.0, 6.5], [3.0, 6.0]]))
+    assert targets.tolist() == [2, 2, 9]
+
+
+def test_no_pseudo_features_when_the_base_class_is_not_in_the_batch():
+    pseudo, targets = translate_features(
+        T([[1.0, 1.0]]), T([7]), [2], T([[2.0, 0.0]]), [5, 7], T([[1.0, 0.0], [0.0, 1.0]])
+    )
+    assert pseudo.shape == (0, 2) and targets.numel() == 0
+
+
+def test_pseudo_cross_entropy_counts_each_pseudo_feature_like_a_batch_sample():
+    # two pseudo features, uniform logits over 3 classes, minibatch of 4 real samples
+    loss = pseudo_cross_entropy(torch.zeros(2, 3), T([0, 2]), batch_size=4)
+    assert loss.item() == pytest.approx(2 * math.log(3) / 4)
+
+
+def test_fusion_weighted_mean_for_new_and_ema_for_known_classes():
+    a = ({0: T([1.0, 1.0]), 1: T([0.0, 2.0])}, {0: 1, 1: 3})
+    b = ({0: T([4.0, 1.0])}, {0: 3})
+    fused = fuse_prototypes([a, b], anchor={1: T([10.0, 10.0])}, beta=0.5)
+    assert torch.allclose(fused[0], T([3.25, 1.0]))  # (1*[1,1] + 3*[4,1]) / 4, class 0 is new
+    assert torch.allclose(fused[1], T([5.0, 6.0]))  # 0.5*[0,2] + 0.5*[10,10], class 1 is known
+    beta1 = fuse_prototypes([a, b], anchor={1: T([10.0, 10.0])}, beta=1.0)
+    assert torch.allclose(beta1[1], T([0.0, 2.0]))
+
+
+def test_server_anchors_the_moving_average_at_the_task_start():
+    plugin = FedProK()
+    run = SimpleNamespace(task=0)
+
+    def fuse(value, count=1):
+        uploads = [Upload(0, count, {UPLOAD_KEY: {3: T([value])}, COUNTS_KEY: {3: count}})]
+        return plugin.fedaval_server_fuse(run=run, uploads=uploads, round=0)[DOWNLOAD_KEY][3].item()
+
+    assert fuse(2.0) == 2.0
+    assert fuse(4.0) == 4.0  # same task: class 3 is still new, replaced by the round's mean
+    run.task = 1
+    assert fuse(8.0) == 6.0  # known since task 0: 0.5*8 + 0.5*4
+    assert fuse(0.0) == 2.0  # anchored to the task-0 value 4, not last round's 6
+
+
+def test_bad_options_are_one_line_errors():
+    with pytest.raises(FedavalUsageError, match="fedprok.beta"):
+        build_options(FedProKOptions, {"beta": "2"}, owner="fedprok")
+    with pytest.raises(FedavalUsageError, match="unknown option fedprok.translate"):
+        build_options(FedProKOptions, {"translate": "false"}, owner="fedprok")
+    assert build_options(FedProKOptions, {"fusion": "false"}, owner="fedprok").fusion is False
+
+
+# --- a digits run -------------------------------------------------------------
+
+
+class Probe:
+    """Watches a FedProK run: what clients receive, what their lists hold,
+    whether the extractor trains, and the global model at each task end."""
+
+    name = "probe"
+
+    def __init__(self):
+        self.downloads = []  # (round, client, {class: prototype})
+        self.library_matches = []  # (round, client, list == download)
+        self.requires_grad = {}  # task -> set of requires_grad of feature params seen
+        self.uploads = {}  # round -> [(prototypes, counts)]
+        self.global_features = {}  # task -> feature weights of the global model at task end
+
+    @hookimpl
+    def fedaval_client_receive(self, run, client, download):
+        if DOWNLOAD_KEY in download:
+            self.downloads.append((run.round, client.id, {c: v.clone() for c, v in download[DOWNLOAD_KEY].items()}))
+
+    @hookimpl
+    def fedaval_local_loss(self, run, client, batch):
+        grads = {p.requires_grad for p in client.model.features.parameters()}
+        self.requires_grad.setdefault(client.task, set()).update(grads)
+        if self.downloads and self.downloads[-1][:2] == (run.round, client.id):
+            library = run.plugins.objects["fedprok"].library[client.id]
+            sent = self.downloads[-1][2]
+            self.library_matches.append(all(torch.equal(library[c].cpu(), v) for c, v in sent.items()))
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        self.uploads[round] = [(u.get(UPLOAD_KEY), u.get(COUNTS_KEY)) for u in uploads if u.get(UPLOAD_KEY)]
+        if round == run.rounds_of_task(run.task)[-1]:
+            state = run.server.model.features.state_dict()
+            self.global_features[run.task] = {k: v.clone() for k, v in state.items()}
+
+
+def test_digits_run_freezes_extractor_from_task_1_and_clients_get_fused_prototypes(tiny_config):
+    probe = Probe()
+    results = run_training(tiny_config(plugins=["fedprok"], lr=0.05), extra_plugins=[probe])
+
+    # the extractor trains in task 0 and is frozen from task 1 on
+    assert probe.requires_grad[0] == {True}
+    assert probe.requires_grad[1] == {False}
+    before, after = probe.global_features[0], probe.global_features[1]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    # round r+1's download is Eq. 9 of round r's uploads, and every client's list equals it
+    by_round = {}
+    for r, _, sent in probe.downloads:
+        by_round.setdefault(r, sent)
+    assert by_round[2].keys() == set(results["scenario"]["federation_task_classes"][0])
+    expected = fuse_prototypes(probe.uploads[1], anchor={}, beta=0.5)
+    assert all(torch.allclose(by_round[2][c], expected[c], atol=1e-6) for c in expected)
+    assert len(probe.library_matches) > 0 and all(probe.library_matches)
+    assert len(by_round[4]) == 10  # task 1's list holds all ten digits
+
+    # pseudo features only from task 1 on
+    losses = {r["round"]: r["losses"] for r in results["rounds"]}
+    assert "loss/pseudo_ce" not in losses[1] and "loss/pseudo_ce" not in losses[2]
+    assert losses[3]["loss/pseudo_ce"] > 0
+
+
+def test_ablations_switch_off_translation_and_fusion(tiny_config, tmp_path):
+    no_ft = run_training(
+        tiny_config(plugins=["fedprok"], plugin_options={"fedprok": {"translation": "false"}}, out=str(tmp_path / "a"))
+    )
+    no_pkf = run_training(
+        tiny_config(plugins=["fedprok"], plugin_options={"fedprok": {"fusion": "false"}}, out=str(tmp_path / "b"))
+    )
+    fedavg = run_training(tiny_config(plugins=["fedavg"], out=str(tmp_path / "c")))
+    assert all("loss/pseudo_ce" not in r["losses"] for r in no_ft["rounds"])
+    assert any("loss/pseudo_ce" in r["losses"] for r in no_pkf["rounds"])
+    # without fusion nothing but the weights travels: same bytes as FedAvg
+    assert [r["bytes_up"] for r in no_pkf["rounds"]] == [r["bytes_up"] for r in fedavg["rounds"]]
+    assert [r["bytes_down"] for r in no_pkf["rounds"]] == [r["bytes_down"] for r in fedavg["rounds"]]
+    # with fusion the prototypes add to both directions
+    assert all(a["bytes_up"] > b["bytes_up"] for a, b in zip(no_ft["rounds"], fedavg["rounds"]))
+    assert no_ft["rounds"][1]["bytes_down"] > fedavg["rounds"][1]["bytes_down"]
+
+
+def test_async_scenario_runs_with_fusion(tiny_config):
+    results = run_training(
+        tiny_config(plugins=["fedprok"], scenario="fcil-async", scenario_options={"clients": 3, "tasks": 2})
+    )
+    final = results["final"]
+    assert final["rounds"] == 4
+    assert any("loss/pseudo_ce" in r["losses"] for r in results["rounds"] if r["task"] == 1)
+    assert results["rounds"][-1]["utility"] is not None
