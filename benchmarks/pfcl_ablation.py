@@ -86,11 +86,11 @@ def client_accuracy_at_task_ends(results) -> list[float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train-per-class", type=int, default=500)
-    parser.add_argument("--test-per-class", type=int, default=200)
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--train-per-class", type=int, default=200)
+    parser.add_argument("--test-per-class", type=int, default=100)
+    parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--rounds-per-task", type=int, default=3)
-    parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--local-epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--batch-size", type=int, default=32)
