@@ -249,7 +249,9 @@ def client_features(run, client):
     model.eval()
     feats, labels = [], []
     with torch.no_grad():
-        for batch in DataLoader(dataset, batch_size=256, shuffle=False):
+        # an own generator: iterating a DataLoader draws a seed, which must not
+        # shift the global RNG that local training shuffles with
+        for batch in DataLoader(dataset, batch_size=256, shuffle=False, generator=torch.Generator()):
             x, y = batch[0], batch[1]
             feats.append(model.features(x.to(run.device)).cpu())
             labels.append(torch.as_tensor(y))
