@@ -151,5 +151,7 @@ def test_bad_options_are_one_line_errors(tiny_config):
         run_training(tiny_config(plugins=["pfcl"], plugin_options={"pfcl": {"models": "transformer"}}))
     with pytest.raises(FedavalUsageError, match="unknown option pfcl.memroy"):
         run_training(tiny_config(plugins=["pfcl"], plugin_options={"pfcl": {"memroy": "none"}}))
+    with pytest.raises(FedavalUsageError, match="pfcl.feature_dim"):
+        run_training(tiny_config(plugins=["pfcl"], plugin_options={"pfcl": {"models": "mlp,cnn"}}))
     with pytest.raises(FedavalUsageError, match="pfcl.memory"):
         run_training(tiny_config(plugins=["pfcl"], plugin_options={"pfcl": {"memory": "all"}}))

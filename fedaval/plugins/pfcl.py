@@ -113,6 +113,10 @@ class PFCL(Plugin):
                 raise FedavalUsageError(f"bad value pfcl.models={name!r}; allowed: {', '.join(sorted(MODELS))}")
             if name == "resnet18" and self.options.feature_dim not in (0, 512):
                 raise FedavalUsageError("bad value pfcl.feature_dim: resnet18 has 512-d features")
+        if len(set(self.options.models)) > 1 and not self.options.feature_dim:
+            raise FedavalUsageError(
+                "pfcl.models mixes backbones: set pfcl.feature_dim so that all prototypes have one size"
+            )
 
     @hookimpl
     def fedaval_make_model(self, run, client_id):
