@@ -13,6 +13,14 @@ SHARED_CIFAR10 = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "
 warnings.filterwarnings("ignore", message="No loggers specified")
 
 
+def pytest_configure(config):
+    """One torch thread: the suite's models are tiny, and on a 2-core machine
+    intra-op threads only contend (measured: a tiny-ViT round 35 s -> 0.9 s)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _cache_in_tmp(tmp_path_factory, monkeypatch):
     """Decoded-image caches go to a per-session folder, never the user's home."""
