@@ -74,6 +74,55 @@ def pct(value) -> str:
     return "n/a" if value is None else f"{100 * value:.2f}"
 
 
+def run_method(label, plugins, options, args, root, runs_dir) -> dict:
+    """One method's run; returns its row of the table."""
+    import torch
+
+    torch.set_num_threads(args["threads"])
+    from fedaval.api import run_training
+    from fedaval.config import RunConfig
+
+    config = RunConfig(
+        plugins=plugins,
+        plugin_options=options,
+        scenario="fcil-sync",
+        scenario_options={"clients": 3, "tasks": 5, "alpha": 1.0},
+        dataset="imagefolder",
+        data_root=root,
+        model="cnn",
+        rounds_per_task=args["rounds_per_task"],
+        local_epochs=args["local_epochs"],
+        batch_size=args["batch_size"],
+        lr=args["lr"],
+        momentum=args["momentum"],
+        eval_every=args["rounds_per_task"],  # evaluate at task ends only
+        device="cpu",
+        seed=args["seed"],
+        out=str(Path(runs_dir) / label.replace(" ", "_").replace("/", "")),
+    )
+    start = time.perf_counter()
+    results = run_training(config)
+    wall = time.perf_counter() - start
+    final, rounds = results["final"], results["rounds"]
+    task_ends = [r for r in rounds if r.get("task_end") and r["task"] >= 1 and r.get("utility") is not None]
+    n = len(rounds)
+    print(f"{label}: final accuracy {pct(final['accuracy'])}%  ({wall:.0f} s)", flush=True)
+    return {
+        "method": label,
+        "accuracy": final["accuracy"],
+        "average_accuracy": final["average_accuracy"],
+        "stability": final.get("stability"),
+        "plasticity": final.get("plasticity"),
+        "utility": final.get("utility"),
+        "mean_utility": sum(r["utility"] for r in task_ends) / len(task_ends) if task_ends else None,
+        "s_local": sum(r["seconds_local"] for r in rounds) / n,
+        "s_fusion": sum(r["seconds_fusion"] for r in rounds) / n,
+        "kb_up": sum(r["bytes_up"] for r in rounds) / n / 1024,
+        "kb_down": sum(r["bytes_down"] for r in rounds) / n / 1024,
+        "wall": wall,
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-per-class", type=int, default=200)
@@ -84,62 +133,22 @@ def main(argv=None) -> int:
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--jobs", type=int, default=4, help="runs in parallel (processes)")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
-
-    import torch
-
-    torch.set_num_threads(args.threads)
-    from fedaval.api import run_training
-    from fedaval.config import RunConfig
 
     root = cifar_subset(args.train_per_class, args.test_per_class)
     out = Path(args.out)
     runs_dir = out / "fedprok_runs" / datetime.now().strftime("%Y%m%d-%H%M%S")
-    rows = []
-    for label, plugins, options in METHODS:
-        config = RunConfig(
-            plugins=plugins,
-            plugin_options=options,
-            scenario="fcil-sync",
-            scenario_options={"clients": 3, "tasks": 5, "alpha": 1.0},
-            dataset="imagefolder",
-            data_root=str(root),
-            model="cnn",
-            rounds_per_task=args.rounds_per_task,
-            local_epochs=args.local_epochs,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            momentum=args.momentum,
-            eval_every=args.rounds_per_task,  # evaluate at task ends only
-            device="cpu",
-            seed=args.seed,
-            out=str(runs_dir / label.replace(" ", "_").replace("/", "")),
-        )
-        start = time.perf_counter()
-        results = run_training(config)
-        wall = time.perf_counter() - start
-        final, rounds = results["final"], results["rounds"]
-        task_ends = [r for r in rounds if r.get("task_end") and r["task"] >= 1 and r.get("utility") is not None]
-        n = len(rounds)
-        rows.append(
-            {
-                "method": label,
-                "accuracy": final["accuracy"],
-                "average_accuracy": final["average_accuracy"],
-                "stability": final.get("stability"),
-                "plasticity": final.get("plasticity"),
-                "utility": final.get("utility"),
-                "mean_utility": sum(r["utility"] for r in task_ends) / len(task_ends) if task_ends else None,
-                "s_local": sum(r["seconds_local"] for r in rounds) / n,
-                "s_fusion": sum(r["seconds_fusion"] for r in rounds) / n,
-                "kb_up": sum(r["bytes_up"] for r in rounds) / n / 1024,
-                "kb_down": sum(r["bytes_down"] for r in rounds) / n / 1024,
-                "wall": wall,
-            }
-        )
-        print(f"{label}: final accuracy {pct(final['accuracy'])}%  ({wall:.0f} s)", flush=True)
+    jobs = [(label, plugins, options, vars(args), str(root), str(runs_dir)) for label, plugins, options in METHODS]
+    if args.jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            rows = list(pool.map(run_method, *zip(*jobs)))
+    else:
+        rows = [run_method(*job) for job in jobs]
 
     header = (
         "| method | final acc % | avg inc. acc % | stability % | plasticity % | U (final) % | U (mean over tasks 2-5) % "
@@ -159,7 +168,7 @@ def main(argv=None) -> int:
     report = f"""# FedProK vs FedAvg: CIFAR-10, synchronous FCIL, T=5, alpha=1, N=3 (scaled)
 
 Command: `{command}`
-Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, {args.threads} CPU threads, no GPU
+Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, no GPU; {args.jobs} runs in parallel, {args.threads} torch thread(s) each
 ({os.cpu_count()} cores visible, shared with other jobs, so seconds are indicative only).
 
 Setting: shared CIFAR-10 as ImageFolder, first {args.train_per_class} train / {args.test_per_class} test images per class;
