@@ -390,12 +390,14 @@ def task_boundaries(results: dict[str, Any]) -> list[int]:
 
 def plot_accuracy_over_rounds(groups: list[Group], path: Path) -> Path:
     """Global accuracy (all classes seen so far) at every evaluated round, one
-    curve per run, one colour per group; dotted lines between tasks."""
+    curve per run, one colour per group and one line style per seed; dotted
+    grey lines between tasks."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", "-.", ":"]  # the seeds of one group
     boundaries: set[int] = set()
     for i, group in enumerate(groups):
         for j, run in enumerate(group.runs):
@@ -409,7 +411,7 @@ def plot_accuracy_over_rounds(groups: list[Group], path: Path) -> Path:
                 continue
             label = f"{group.method} {group.label} s{run.seed}".replace("  ", " ")
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker=".", color=colours[i % len(colours)], alpha=0.9 if j == 0 else 0.6, label=label)
+            ax.plot(xs, ys, marker=".", color=colours[i % len(colours)], linestyle=styles[j % len(styles)], label=label)
     for b in sorted(boundaries):
         ax.axvline(b + 0.5, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("federated round (dotted: new task)")
