@@ -19,15 +19,6 @@ from fedaval.plugin_manager import instantiate, resolve_plugin
 from fedaval.run import Run
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is ~20x faster than several on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def run_with(config, extra=()):
     run = Run(config, extra_plugins=list(extra), out_dir=None)
     return run, train(run)

@@ -21,15 +21,6 @@ from fedaval.plugins.fedprox import proximal_term
 # --- FedProx ---------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is ~20x faster than several on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_proximal_term_value_and_gradient():
     w = torch.tensor([1.0, 2.0], requires_grad=True)
     b = torch.tensor([3.0], requires_grad=True)

@@ -20,16 +20,6 @@ TINY = {"vit_patch": 4, "vit_dim": 32, "vit_depth": 2, "vit_heads": 2, "vit_mlp_
 PROMPTS_AND_HEAD = ["features.prompt_k", "features.prompt_v", "classifier.weight", "classifier.bias"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: on a shared 2-core machine, torch's thread pool
-    costs more than it saves (a round takes 30x longer under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class UploadProbe:
     """Records the uploads and the global classifier right after FedAvg,
     before HGP's re-balancing (``tryfirst``)."""

@@ -20,15 +20,6 @@ from fedaval.plugins.hgp_gaussian import (
     sample_mixture,
 )
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's thread pool only costs time on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 FEATURES = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0], [7.0, 7.0]])
 LABELS = torch.tensor([0, 0, 0, 1])
 
