@@ -22,24 +22,82 @@ def run_training(
     (tests use it to add probes). The run folder is ``settings.out``, or a new
     folder under ``runs/``; an existing folder that holds results is refused,
     so earlier results are never overwritten."""
-    from fedaval.coordinator import train
     from fedaval.evaluation import atomic_write_json
     from fedaval.run import Run, default_out_dir
 
     config = settings if isinstance(settings, RunConfig) else RunConfig(**settings)
     out_dir = Path(config.out) if config.out else default_out_dir(config)
     if (out_dir / "results.json").exists():
-        raise FedavalUsageError(f"--out {str(out_dir)!r} already holds a run (results.json); choose another folder")
+        raise FedavalUsageError(f"--out {str(out_dir)!r} already holds a run (results.json); choose another folder, or continue it with --resume")
     config.out = str(out_dir)
     config.validate()
     run = Run(config, extra_plugins=extra_plugins, out_dir=out_dir)
     atomic_write_json(out_dir / "config.json", config.to_dict())
+    results = _train(run, None, show_progress)
+    if echo is not None:
+        echo(format_summary(results, out_dir))
+    return results
+
+
+def resume_training(
+    run_dir: str | Path,
+    extra_plugins: list[Any] = (),
+    show_progress: bool = False,
+    echo: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Continue the run in ``run_dir`` from its newest checkpoint (``fedaval
+    train --resume``) and return its results.
+
+    The run is rebuilt from ``run_dir/config.json`` (same seed: same data,
+    partition and schedule), the checkpoint is loaded over it, and training
+    goes on from the round after the checkpoint's. ``extra_plugins`` must be
+    the ones the run was started with."""
+    import json
+
+    from fedaval import checkpoint
+    from fedaval.config import RunConfig
+    from fedaval.run import Run
+
+    out_dir = Path(run_dir)
+    where = f"--resume {str(out_dir)!r}"
+    if not out_dir.is_dir():
+        raise FedavalUsageError(f"{where}: no such folder")
+    try:
+        settings = json.loads((out_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise FedavalUsageError(f"{where} is not a fedaval run folder (no config.json)") from None
+    except (OSError, ValueError) as exc:
+        raise FedavalUsageError(f"{where}: config.json cannot be read ({exc})") from None
+    if not isinstance(settings, dict) or "plugins" not in settings or "scenario" not in settings:
+        raise FedavalUsageError(f"{where}: config.json is not a fedaval run configuration")
+    if not checkpoint.saved(out_dir):
+        raise FedavalUsageError(
+            f"{where} has no checkpoint in {checkpoint.FOLDER}/ (it stopped before its first checkpoint, "
+            "or ran with --checkpoint-every 0)"
+        )
+    config = RunConfig.from_dict(settings)
+    config.out = str(out_dir)
+    run = Run(config, extra_plugins=extra_plugins, out_dir=out_dir)
+    round, results = checkpoint.restore_latest(run)
+    if echo is not None:
+        done = "already complete" if round >= run.total_rounds else f"resuming at round {round + 1}"
+        echo(f"{out_dir}: checkpoint of round {round} of {run.total_rounds} loaded; {done}")
+    results = _train(run, results, show_progress)
+    if echo is not None:
+        echo(format_summary(results, out_dir))
+    return results
+
+
+def _train(run: Any, results: dict[str, Any] | None, show_progress: bool) -> dict[str, Any]:
+    """:func:`fedaval.coordinator.train` with an optional progress bar."""
+    from fedaval.coordinator import train
 
     bar = None
     if show_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=run.total_rounds, unit="round", dynamic_ncols=True)
+        done = len(results["rounds"]) if results else 0
+        bar = tqdm(total=run.total_rounds, initial=done, unit="round", dynamic_ncols=True)
 
     def on_round(record: dict[str, Any]) -> None:
         if bar is None:
@@ -51,13 +109,10 @@ def run_training(
         bar.update(1)
 
     try:
-        results = train(run, on_round=on_round)
+        return train(run, on_round=on_round, results=results)
     finally:
         if bar is not None:
             bar.close()
-    if echo is not None:
-        echo(format_summary(results, out_dir))
-    return results
 
 
 def format_summary(results: dict[str, Any], out_dir: Path) -> str:
@@ -73,7 +128,7 @@ def format_summary(results: dict[str, Any], out_dir: Path) -> str:
         f"final global accuracy: {pct(final.get('accuracy'))}   average accuracy: {pct(final.get('average_accuracy'))}"
         f"   forgetting: {pct(final.get('forgetting'))}   mean client accuracy: {pct(final.get('mean_client_accuracy'))}",
         f"bytes up: {final.get('bytes_up', 0):,}   bytes down: {final.get('bytes_down', 0):,}"
-        f"   seconds: {final.get('seconds', 0):.1f}",
+        f"   seconds: {final.get('seconds', 0):.1f}   failed clients: {final.get('failed_clients', 0)}",
         f"run folder: {out_dir}  (tensorboard --logdir {out_dir / 'tb'})",
     ]
     return "\n".join(lines)

@@ -8,6 +8,8 @@ from typing import Any
 
 from fedaval.errors import FedavalUsageError
 
+FAILURE_POLICIES = ("drop", "fail")
+
 
 @dataclass
 class RunConfig:
@@ -34,6 +36,9 @@ class RunConfig:
     device: str = "auto"
     seed: int = 0
     out: str | None = None
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 2
+    on_client_failure: str = "drop"
 
     def validate(self) -> None:
         """One-line errors for values no run can use."""
@@ -47,6 +52,10 @@ class RunConfig:
             ("--weight-decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
             ("--eval-every", self.eval_every, self.eval_every >= 1, ">= 1"),
             ("--utility-lambda", self.utility_lambda, 0 <= self.utility_lambda <= 1, "in [0, 1]"),
+            ("--checkpoint-every", self.checkpoint_every, self.checkpoint_every >= 0, ">= 0 (0: never)"),
+            ("--keep-checkpoints", self.keep_checkpoints, self.keep_checkpoints >= 1, ">= 1"),
+            ("--on-client-failure", self.on_client_failure, self.on_client_failure in FAILURE_POLICIES,
+             "one of " + ", ".join(FAILURE_POLICIES)),
         ]
         for flag, value, ok, allowed in checks:
             if not ok:

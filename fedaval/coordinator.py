@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from typing import Any, Callable
 
+from fedaval import checkpoint
+from fedaval.errors import RunFailure
 from fedaval.evaluation import (
     STREAM_ACC,
     STREAM_BWT,
@@ -18,7 +22,7 @@ from fedaval.evaluation import (
     scalar,
     summarise,
 )
-from fedaval.payload import Upload, merge_entries, payload_nbytes
+from fedaval.payload import Upload, check_finite, merge_entries, payload_nbytes
 from fedaval.run import Run
 
 
@@ -44,6 +48,11 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
 
        c. ``fedaval_client_upload(run, client)`` -> the client's :class:`Upload`
 
+       A client whose steps a-c raise, or whose loss terms or upload are not
+       finite, has failed: under ``--on-client-failure drop`` it is left out
+       of this round's fusion (a warning names it; the round's
+       ``failed_clients`` lists it); under ``fail`` the run stops.
+
     3. server: ``fedaval_fuse_weights(run, uploads, global_weights)`` (FedAvg by
        default), loaded into the global model; then
        ``fedaval_server_fuse(run, uploads, round)``, whose entries join the next
@@ -65,13 +74,23 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     bytes_down = payload_nbytes(download) * len(sampled)
     uploads: list[Upload] = []
     losses: dict[str, list[float]] = {}
+    failed: list[dict[str, Any]] = []
     run.timer.seconds = 0.0
     for client in sampled:
-        client.receive(download)
-        for name, value in (hook.fedaval_local_train(run=run, client=client, round=round) or {}).items():
+        try:
+            client.receive(download)
+            client_losses = hook.fedaval_local_train(run=run, client=client, round=round) or {}
+            check_losses(client_losses)
+            entries = merge_entries(hook.fedaval_client_upload(run=run, client=client), "upload")
+            check_finite(entries, "upload")
+        except Exception as exc:  # noqa: BLE001 - the failure policy decides
+            failed.append(client_failed(run, client, round, exc))
+            continue
+        for name, value in client_losses.items():
             losses.setdefault(name, []).append(value)
-        entries = merge_entries(hook.fedaval_client_upload(run=run, client=client), "upload")
         uploads.append(Upload(client.id, client.num_samples(), entries))
+    if sampled and len(failed) == len(sampled):
+        raise RunFailure(f"all {len(sampled)} sampled clients failed in round {round}; first: {failed[0]['reason']}")
     seconds_local = run.timer.seconds
     fuse_start = time.perf_counter()
     run.server.fuse(uploads, round)
@@ -83,6 +102,7 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
         "round": round,
         "task_end": task_end,
         "clients": [c.id for c in sampled],
+        "failed_clients": failed,
         "bytes_up": sum(u.nbytes for u in uploads),
         "bytes_down": bytes_down,
         "losses": {name: sum(v) / len(v) for name, v in losses.items()},
@@ -153,10 +173,9 @@ def evaluate(run: Run, round: int) -> dict[str, Any]:
     }
 
 
-def train(run: Run, on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run every task and round; write results.json (if the run has an output
-    folder) after each round, so an interrupted run keeps what it finished."""
-    results: dict[str, Any] = {
+def new_results(run: Run) -> dict[str, Any]:
+    """results.json before the first round."""
+    return {
         "config": run.config.to_dict(),
         "scenario": {
             "num_tasks": run.num_tasks,
@@ -169,12 +188,34 @@ def train(run: Run, on_round: Callable[[dict[str, Any]], None] | None = None) ->
         "tasks": [],
         "final": None,
     }
-    matrix: list[list[float | None]] = []
+
+
+def train(
+    run: Run,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    results: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run every task and round; after each round write results.json (if the
+    run has an output folder) and, on the ``--checkpoint-every`` schedule, a
+    checkpoint, so an interrupted run keeps what it finished and can resume.
+
+    ``results`` (from :func:`fedaval.checkpoint.restore`) continues a run
+    after the rounds it already holds."""
+    results = new_results(run) if results is None else results
+    matrix: list[list[float | None]] = [t["accuracy"] for t in results["tasks"]]
+    done = len(results["rounds"])
     for task in range(run.num_tasks):
+        rounds = [r for r in run.rounds_of_task(task) if r > done]
+        if not rounds:
+            continue
         run.task = task
-        run.server.begin_task(task)
-        for round in run.rounds_of_task(task):
-            record = run_round(run, round)
+        if rounds[0] == run.rounds_of_task(task)[0]:
+            run.server.begin_task(task)
+        for round in rounds:
+            try:
+                record = run_round(run, round)
+            except RunFailure as exc:
+                raise RunFailure(f"{exc}{resume_hint(run)}") from exc
             results["rounds"].append(record)
             if record["task_end"]:
                 row = record.get("global_task_accuracy", [])
@@ -183,10 +224,39 @@ def train(run: Run, on_round: Callable[[dict[str, Any]], None] | None = None) ->
             results["final"] = summarise(results["rounds"], matrix)
             log_round(run, record)
             if run.out_dir is not None:
+                if checkpoint.is_due(run, round):
+                    checkpoint.save(run, results)
                 atomic_write_json(run.out_dir / "results.json", results)
             if on_round is not None:
                 on_round(record)
     return results
+
+
+def check_losses(losses: dict[str, float]) -> None:
+    for name, value in losses.items():
+        if not math.isfinite(value):
+            raise FloatingPointError(f"{name} is {value}")
+
+
+def client_failed(run: Run, client: Any, round: int, exc: Exception) -> dict[str, Any]:
+    """Apply ``--on-client-failure`` to ``client``'s failure: stop the run, or
+    warn and return the entry for the round's ``failed_clients``."""
+    reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if run.config.on_client_failure == "fail":
+        raise RunFailure(f"client {client.id} failed in round {round}: {reason}") from exc
+    logging.getLogger("fedaval").warning(
+        "round %d: client %d left out of fusion (--on-client-failure drop): %s", round, client.id, reason
+    )
+    return {"client": client.id, "reason": reason}
+
+
+def resume_hint(run: Run) -> str:
+    if run.out_dir is None:
+        return ""
+    latest = checkpoint.saved(run.out_dir)
+    if not latest:
+        return "; no checkpoint was saved"
+    return f"; resume from round {latest[0][0]} with: fedaval train --resume {run.out_dir}"
 
 
 ROUND_SCALARS = (

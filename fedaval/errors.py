@@ -5,6 +5,13 @@ class FedavalUsageError(Exception):
     """Bad input from a user. The CLI prints the message on one line and exits 2."""
 
 
+class RunFailure(Exception):
+    """A run stopped by a failure it cannot go on from (a failing client under
+    ``--on-client-failure fail``, every sampled client failing, a non-finite
+    global model). The CLI prints the message on one line and exits 1; the
+    results and checkpoints written so far stay."""
+
+
 def choice_error(what: str, value: object, allowed) -> FedavalUsageError:
     """Build the standard 'unknown X' error listing the allowed values."""
     allowed_text = ", ".join(str(a) for a in allowed) or "(none)"

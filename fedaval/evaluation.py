@@ -150,4 +150,5 @@ def summarise(rounds: list[dict[str, Any]], matrix: list[list[float | None]]) ->
         "bytes_down": sum(r["bytes_down"] for r in rounds),
         "seconds": sum(r["seconds"] for r in rounds),
         "rounds": len(rounds),
+        "failed_clients": sum(len(r.get("failed_clients", [])) for r in rounds),
     }

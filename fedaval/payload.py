@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,22 @@ def payload_nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(payload_nbytes(v) for v in obj)
     raise TypeError(f"cannot count the bytes of a {type(obj).__name__} in a payload")
+
+
+def check_finite(payload: Any, what: str) -> None:
+    """Raise ``FloatingPointError`` if any tensor or number in ``payload`` is NaN or infinite."""
+    if isinstance(payload, torch.Tensor):
+        if payload.is_floating_point() and not bool(torch.isfinite(payload).all()):
+            raise FloatingPointError(f"{what} holds non-finite values")
+    elif isinstance(payload, float):
+        if not math.isfinite(payload):
+            raise FloatingPointError(f"{what} holds {payload}")
+    elif isinstance(payload, dict):
+        for key, value in payload.items():
+            check_finite(value, f"{what}[{key!r}]")
+    elif isinstance(payload, (list, tuple)):
+        for i, value in enumerate(payload):
+            check_finite(value, f"{what}[{i}]")
 
 
 def merge_entries(results: list[dict[str, Any] | None], what: str) -> dict[str, Any]:

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fedaval.payload import Upload, merge_entries
+from fedaval.errors import RunFailure
+from fedaval.payload import Upload, check_finite, merge_entries
 from fedaval.strategy import FederatedStrategy
 
 if TYPE_CHECKING:
@@ -70,6 +71,10 @@ class Server:
         if uploads:
             new = hook.fedaval_fuse_weights(run=self.run, uploads=uploads, global_weights=self.global_weights())
             if new:
+                try:
+                    check_finite(new, "fused weights")
+                except FloatingPointError as exc:  # the global model never becomes non-finite
+                    raise RunFailure(f"round {round}: {exc}; the global model keeps the previous round's weights") from exc
                 state = self.model.state_dict()
                 with torch.no_grad():
                     for key, value in new.items():

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from fedaval import config_file
-from fedaval.errors import FedavalUsageError
+from fedaval.errors import FedavalUsageError, RunFailure
 
 
 def parse_assignments(values: tuple[str, ...]) -> dict[str, dict[str, str]]:
@@ -28,7 +28,8 @@ def parse_assignments(values: tuple[str, ...]) -> dict[str, dict[str, str]]:
 
 
 class FedavalGroup(click.Group):
-    """Prints a :class:`FedavalUsageError` as one line and exits with status 2."""
+    """Prints a :class:`FedavalUsageError` as one line and exits with status 2,
+    a :class:`RunFailure` as one line and exits with status 1."""
 
     def invoke(self, ctx):
         try:
@@ -36,6 +37,9 @@ class FedavalGroup(click.Group):
         except FedavalUsageError as exc:
             click.echo(f"fedaval: error: {exc}", err=True)
             ctx.exit(2)
+        except RunFailure as exc:
+            click.echo(f"fedaval: run stopped: {exc}", err=True)
+            ctx.exit(1)
 
 
 @click.group(cls=FedavalGroup)
@@ -74,12 +78,28 @@ def cli() -> None:
 @click.option("--seeds", default=None, metavar="S1,S2,...",
               help="Run once per seed into sibling folders OUT-s<seed>, e.g. --seeds 42,1999,2024.")
 @click.option("--out", default=None, help="Run folder (default: runs/<time>-<plugins>-<scenario>-<dataset>-s<seed>).")
+@click.option("--checkpoint-every", default=1, show_default=True, type=int,
+              help="Checkpoint every N rounds (and after the last); 0: never.")
+@click.option("--keep-checkpoints", default=2, show_default=True, type=int, help="Checkpoints kept (the newest).")
+@click.option("--on-client-failure", default="drop", show_default=True,
+              help="drop: leave a failing client out of the round's fusion; fail: stop the run.")
+@click.option("--resume", "resume_dir", default=None, metavar="RUN_DIR",
+              help="Continue the run in RUN_DIR from its newest checkpoint (takes no other run option).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def train(config_path, plugins, options, out, quiet, seeds, **kwargs) -> None:
-    """Train a federation and write a run folder (results.json, config.json, tb/)."""
+def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs) -> None:
+    """Train a federation and write a run folder (results.json, config.json, checkpoints/, tb/)."""
     from fedaval.plugin_manager import split_plugin_specs
 
     ctx = click.get_current_context()
+    if resume_dir is not None:
+        given = [param.opts[0] for param in ctx.command.params if param.name not in ("resume_dir", "quiet")
+                 and ctx.get_parameter_source(param.name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise FedavalUsageError(f"--resume takes no other run option (the run's config.json holds them); got {', '.join(given)}")
+        from fedaval.api import resume_training
+
+        resume_training(resume_dir, show_progress=not quiet, echo=click.echo)
+        return
     kwargs["plugins"] = split_plugin_specs(plugins)
     kwargs["plugin_options"] = config_file.merge_options(config_file.file_options(ctx), parse_assignments(options))
     kwargs["out"] = out

@@ -1,0 +1,165 @@
+"""Checkpoints after rounds, and resuming a run from the newest one.
+
+A checkpoint is the whole state of a run after a completed round, in one file
+``RUN_DIR/checkpoints/round-NNNNNN.ckpt``:
+
+* every client object (model, optimizer, Avalanche strategy with its plugins'
+  memories and teachers, the dataloader kept for the rest of a task, the
+  evaluator's metric history), saved through :mod:`fedaval.state`;
+* the server (global model, the next download's extras, its evaluator);
+* each plugin's state (``state_dict()`` where the plugin has one, else its
+  attributes);
+* the random number generators (Python, NumPy, torch, CUDA);
+* results.json's content so far.
+
+Everything goes into one pickle, so an object shared by a plugin and a client
+is still shared after resuming. The run itself (configuration, dataset,
+partition, schedule) is not stored: resuming rebuilds it from ``config.json``
+with the same seed, then loads the checkpoint over it. A checkpoint is
+therefore read by the fedaval version and plugins that wrote it; it is not an
+archive format.
+
+Files are written to a temporary name, synced and renamed, so a kill at any
+moment leaves the previous complete checkpoint; the newest
+``--keep-checkpoints`` are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fedaval import state
+from fedaval.errors import FedavalUsageError
+
+if TYPE_CHECKING:
+    from fedaval.run import Run
+
+FORMAT = 1
+FOLDER = "checkpoints"
+_NAME = re.compile(r"^round-(\d{6})\.ckpt$")
+
+
+def path_for(out_dir: Path, round: int) -> Path:
+    return out_dir / FOLDER / f"round-{round:06d}.ckpt"
+
+
+def saved(out_dir: Path) -> list[tuple[int, Path]]:
+    """``(round, path)`` of the checkpoints in a run folder, newest first."""
+    folder = out_dir / FOLDER
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def is_due(run: Run, round: int) -> bool:
+    """After every ``--checkpoint-every`` rounds, and after the last round."""
+    every = run.config.checkpoint_every
+    return every > 0 and (round % every == 0 or round == run.total_rounds)
+
+
+def save(run: Run, results: dict[str, Any]) -> Path:
+    """Write the checkpoint of round ``run.round`` atomically; prune old ones."""
+    path = path_for(run.out_dir, run.round)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    content = {
+        "format": FORMAT,
+        "round": run.round,
+        "task": run.task,
+        "clients": run.clients,
+        "server": run.server,
+        "plugins": {name: plugin_state(obj) for name, obj in run.plugins.objects.items()},
+        "rng": rng_state(),
+        "results": results,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        state.dump(run, content, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    for _, old in saved(run.out_dir)[run.config.keep_checkpoints:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def restore(run: Run, path: Path) -> dict[str, Any]:
+    """Load checkpoint ``path`` over a freshly built ``run``; return the results so far."""
+    with open(path, "rb") as fh:
+        content = state.load(run, fh)
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise FedavalUsageError(f"{path} is not a fedaval checkpoint of format {FORMAT}")
+    run.clients = content["clients"]
+    run.server = content["server"]
+    run.round = content["round"]
+    run.task = content["task"]
+    for name, saved_state in content["plugins"].items():
+        if name in run.plugins.objects:
+            load_plugin_state(run.plugins.objects[name], saved_state)
+    set_rng_state(content["rng"])
+    return content["results"]
+
+
+def restore_latest(run: Run) -> tuple[int, dict[str, Any]]:
+    """Restore the newest readable checkpoint of ``run.out_dir``: ``(round, results)``.
+
+    A checkpoint that cannot be read (a disk error, a file copied in half) is
+    skipped for the one before it, with a warning."""
+    import logging
+
+    errors = []
+    for round, path in saved(run.out_dir):
+        try:
+            return round, restore(run, path)
+        except (pickle.UnpicklingError, EOFError, OSError, AttributeError, ImportError) as exc:
+            logging.getLogger("fedaval").warning("checkpoint %s cannot be read (%s); trying an older one", path, exc)
+            errors.append(f"{path.name}: {exc}")
+    raise FedavalUsageError(
+        f"--resume {str(run.out_dir)!r}: no readable checkpoint in {FOLDER}/ ({'; '.join(errors) or 'none saved'})"
+    )
+
+
+def plugin_state(plugin: Any) -> dict[str, Any] | None:
+    """What a checkpoint keeps of a plugin: its ``state_dict()``, else its attributes.
+
+    A plugin registered as a module has no per-run state (``None``)."""
+    if isinstance(plugin, ModuleType):
+        return None
+    if callable(getattr(plugin, "state_dict", None)):
+        return plugin.state_dict()
+    return dict(vars(plugin))
+
+
+def load_plugin_state(plugin: Any, saved_state: dict[str, Any] | None) -> None:
+    if saved_state is None:
+        return
+    if callable(getattr(plugin, "load_state_dict", None)):
+        plugin.load_state_dict(saved_state)
+    else:
+        vars(plugin).update(saved_state)
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(saved_state: dict[str, Any]) -> None:
+    random.setstate(saved_state["python"])
+    np.random.set_state(saved_state["numpy"])
+    torch.set_rng_state(saved_state["torch"])
+    if saved_state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved_state["cuda"])

@@ -1,0 +1,91 @@
+"""Saving a run's live objects (clients, server, plugin state) as bytes.
+
+A client is much more than its ``state_dict``: its optimizer, the Avalanche
+plugins' memories and teachers, the dataloader kept for the rest of a task,
+the evaluator's metric history, method state on the client. Rather than asking
+every plugin to describe its state, fedaval pickles the objects themselves,
+like Avalanche's own ``save_checkpoint`` does, with one difference: objects
+the run shares and can rebuild from its configuration (the run itself, its
+dataset tensors, the plugin objects, the TensorBoard loggers) are written as
+references (pickle's persistent ids) and resolved against the new run when
+loaded. So a client's bytes hold the client's own state and index arrays,
+never a copy of the dataset, and objects shared between a plugin and a client
+stay one object after loading.
+
+Used by checkpoints (:mod:`fedaval.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedaval.run import Run
+
+PROTOCOL = 5
+
+
+def shared_objects(run: Run) -> dict[str, Any]:
+    """The objects of ``run`` that state refers to by name, never stores."""
+    shared: dict[str, Any] = {"run": run, "run.pm": run.pm, "run.hook": run.hook, "run.data": run.data,
+                              "run.timer": run.timer}
+    for name in ("train_x", "train_y", "test_x", "test_y", "mean", "std"):
+        value = getattr(run.data, name, None)
+        if value is not None:
+            shared[f"run.data.{name}"] = value
+    for name, plugin in run.plugins.objects.items():
+        shared[f"plugin.{name}"] = plugin
+    strategies = [("global", run.server.strategy)] + [(f"client{c.id:03d}", c.strategy) for c in run.clients]
+    for owner, strategy in strategies:
+        for i, logger in enumerate(strategy.evaluator.loggers):
+            shared[f"logger.{owner}.{i}"] = logger
+    return shared
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: IO[bytes], shared: dict[str, Any]):
+        super().__init__(file, protocol=PROTOCOL)
+        self._names = {id(obj): name for name, obj in shared.items()}
+
+    def persistent_id(self, obj: Any) -> str | None:
+        return self._names.get(id(obj))
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: IO[bytes], shared: dict[str, Any]):
+        super().__init__(file)
+        self._shared = shared
+
+    def persistent_load(self, name: str) -> Any:
+        try:
+            return self._shared[name]
+        except KeyError:
+            raise pickle.UnpicklingError(f"saved state refers to {name!r}, which this run does not have") from None
+
+
+def dump(run: Run, obj: Any, file: IO[bytes]) -> None:
+    """Pickle ``obj`` to ``file``, writing ``run``'s shared objects as references.
+
+    Raises ``TypeError`` naming the object that cannot be pickled (a plugin
+    holding an open file or a lambda, say)."""
+    try:
+        _Pickler(file, shared_objects(run)).dump(obj)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise TypeError(f"cannot save the run's state: {exc}") from exc
+
+
+def load(run: Run, file: IO[bytes]) -> Any:
+    """Unpickle what :func:`dump` wrote, resolving references against ``run``."""
+    return _Unpickler(file, shared_objects(run)).load()
+
+
+def dumps(run: Run, obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    dump(run, obj, buffer)
+    return buffer.getvalue()
+
+
+def loads(run: Run, data: bytes) -> Any:
+    return load(run, io.BytesIO(data))
