@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import json
 
-
-def strip_timing(obj):
-    if isinstance(obj, dict):
-        return {k: strip_timing(v) for k, v in obj.items() if not k.startswith("seconds") and k != "out"}
-    if isinstance(obj, list):
-        return [strip_timing(v) for v in obj]
-    return obj
+from helpers import strip_timing
 
 
 def test_same_seed_same_results(tiny_config, tmp_path):

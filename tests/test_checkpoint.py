@@ -1,0 +1,178 @@
+"""Checkpoints after rounds, resuming from them, and the files they leave."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fedaval.cli import cli
+from helpers import strip_timing
+
+FEDAVAL = [sys.executable, "-c", "from fedaval.cli import main; main()"]
+
+
+def results_of(folder: Path) -> dict:
+    return strip_timing(json.loads((folder / "results.json").read_text()))
+
+
+# --- a real process, killed and resumed ---------------------------------------
+@pytest.mark.parametrize(
+    "method",
+    [
+        ["--plugins", "fedavg"],
+        # prototypes, an exemplar memory, a frozen teacher and a swapped dataloader
+        ["--plugins", "pfcl", "--scenario", "fcl-random", "-o", "fcl-random.clients=2"],
+    ],
+    ids=["fedavg", "pfcl"],
+)
+def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_results(tmp_path, method):
+    args = [*FEDAVAL, "train", "--quiet", "--rounds-per-task", "2", "--local-epochs", "2", *method]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([*args, "--out", str(tmp_path / "whole")], check=True, capture_output=True, env=env)
+    total = len(json.loads((tmp_path / "whole" / "results.json").read_text())["rounds"])
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([*args, "--out", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    # round 3 is the first round of task 2: the kill lands in the middle of a task
+    third = killed / "checkpoints" / "round-000003.ckpt"
+    deadline = time.monotonic() + 120
+    while not third.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert len(json.loads((killed / "results.json").read_text())["rounds"]) < total
+
+    resumed = subprocess.run([*FEDAVAL, "train", "--resume", str(killed), "--quiet"], capture_output=True, text=True, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming at round" in resumed.stdout
+    assert results_of(killed) == results_of(tmp_path / "whole")
+
+
+# --- in-process resume from every checkpoint of several methods ----------------
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(plugins=["avalanche:ReplayPlugin"], plugin_options={"avalanche": {"mem_size": "40"}}),
+        dict(plugins=["fedlwf"]),
+        dict(plugins=["fedprok"]),
+        dict(plugins=["gldp"], scenario="sthfl", scenario_options={"clients": 3, "tasks": 2, "classes_per_task": 2}),
+        dict(plugins=["fedavg"], clients_per_round=1, scenario_options={"clients": 3, "tasks": 2}),
+    ],
+    ids=["replay", "lwf", "fedprok", "gldp", "sampled"],
+)
+def test_resume_from_any_round_matches_the_whole_run(tiny_config, tmp_path, settings):
+    from fedaval import checkpoint
+    from fedaval.api import run_training
+    from fedaval.coordinator import train
+    from fedaval.run import Run
+
+    config = tiny_config(out=str(tmp_path / "whole"), rounds_per_task=3, keep_checkpoints=100, **settings)
+    whole = strip_timing(run_training(config))
+    rounds = [r for r, _ in checkpoint.saved(tmp_path / "whole")]
+    assert sorted(rounds) == list(range(1, 7))
+    for round in (2, 4):  # mid-task and at the start of task 2's second round
+        run = Run(config, out_dir=tmp_path / f"resumed{round}")
+        results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", round))
+        assert len(results["rounds"]) == round
+        assert strip_timing(train(run, results=results)) == whole
+
+
+# --- schedule, pruning, atomic files ------------------------------------------
+def test_checkpoint_interval_and_pruning(tiny_config, tmp_path):
+    from fedaval import checkpoint
+    from fedaval.api import run_training
+
+    run_training(tiny_config(out=str(tmp_path / "every2"), rounds_per_task=3, checkpoint_every=2, keep_checkpoints=2))
+    assert [r for r, _ in checkpoint.saved(tmp_path / "every2")] == [6, 4]
+    run_training(tiny_config(out=str(tmp_path / "never"), checkpoint_every=0))
+    assert not (tmp_path / "never" / "checkpoints").exists()
+    assert not list((tmp_path / "every2").rglob("*.tmp"))
+
+
+def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tiny_config, tmp_path, monkeypatch):
+    from fedaval import checkpoint, state
+    from fedaval.run import Run
+
+    config = tiny_config(out=str(tmp_path / "run"))
+    run = Run(config, out_dir=tmp_path / "run")
+    run.round = 1
+    first = checkpoint.save(run, {"rounds": [1]})
+    before = first.read_bytes()
+
+    def dies(run, obj, fh):
+        fh.write(b"half a pickle")
+        raise KeyboardInterrupt  # as a kill would, between write and rename
+
+    monkeypatch.setattr(state, "dump", dies)
+    run.round = 2
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(run, {"rounds": [1, 2]})
+    assert [r for r, _ in checkpoint.saved(tmp_path / "run")] == [1]
+    assert first.read_bytes() == before
+
+
+def test_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tiny_config, tmp_path, caplog):
+    from fedaval import checkpoint
+    from fedaval.api import resume_training, run_training
+
+    whole = strip_timing(run_training(tiny_config(out=str(tmp_path / "run"), keep_checkpoints=10)))
+    checkpoint.path_for(tmp_path / "run", 4).write_bytes(b"not a pickle")
+    checkpoint.path_for(tmp_path / "run", 3).unlink()  # resume from round 2
+    (tmp_path / "run" / "results.json").unlink()
+    assert strip_timing(resume_training(tmp_path / "run")) == whole
+    assert "round-000004.ckpt cannot be read" in caplog.text
+
+
+# --- what users get wrong -----------------------------------------------------
+def one_line_error(args, code=2):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+def test_resume_errors_are_one_line(tmp_path, tiny_config):
+    from fedaval.api import run_training
+
+    assert "no such folder" in one_line_error(["train", "--resume", str(tmp_path / "nope")])
+    (tmp_path / "empty").mkdir()
+    assert "not a fedaval run folder (no config.json)" in one_line_error(["train", "--resume", str(tmp_path / "empty")])
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"model": "bert"}')
+    assert "not a fedaval run configuration" in one_line_error(["train", "--resume", str(tmp_path / "other")])
+    run_training(tiny_config(out=str(tmp_path / "nockpt"), checkpoint_every=0))
+    assert "has no checkpoint" in one_line_error(["train", "--resume", str(tmp_path / "nockpt")])
+    line = one_line_error(["train", "--resume", str(tmp_path / "nockpt"), "--lr", "0.1", "--seed", "3"])
+    assert "--resume takes no other run option" in line and "--lr" in line and "--seed" in line
+    for flag, value in [("--checkpoint-every", "-1"), ("--keep-checkpoints", "0"), ("--on-client-failure", "skip")]:
+        line = one_line_error(["train", flag, value, "--out", str(tmp_path / "x")])
+        assert flag in line and value in line
+
+
+def test_an_existing_run_folder_points_to_resume(tiny_config, tmp_path):
+    from fedaval.api import run_training
+
+    run_training(tiny_config(out=str(tmp_path / "run")))
+    line = one_line_error(["train", "--out", str(tmp_path / "run")])
+    assert "already holds a run" in line and "--resume" in line
+
+
+def test_resuming_a_finished_run_changes_nothing(tiny_config, tmp_path):
+    from fedaval.api import run_training
+
+    run_training(tiny_config(out=str(tmp_path / "run")))
+    before = (tmp_path / "run" / "results.json").read_text()
+    result = CliRunner().invoke(cli, ["train", "--resume", str(tmp_path / "run"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "already complete" in result.output
+    assert strip_timing(json.loads(before)) == results_of(tmp_path / "run")

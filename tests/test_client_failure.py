@@ -1,0 +1,163 @@
+"""--on-client-failure: a client that raises or goes non-finite is dropped, or stops the run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import textwrap
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from fedaval import hookimpl
+from fedaval.cli import cli
+from fedaval.errors import RunFailure
+
+
+class Raises:
+    """Client 1's local training raises in round 2."""
+
+    name = "raises"
+
+    @hookimpl
+    def fedaval_local_epoch_start(self, run, client, epoch):
+        if client.id == 1 and run.round == 2:
+            raise RuntimeError("disk full on client 1")
+
+
+class GoesNaN:
+    """Client 1's loss is NaN in round 2, so its weights become NaN."""
+
+    name = "goesnan"
+
+    @hookimpl
+    def fedaval_local_loss(self, run, client, batch):
+        if client.id == 1 and run.round == 2:
+            return {"poison": batch.loss * float("nan")}
+        return {}
+
+
+class Probe:
+    """Records which clients' uploads reach fusion, and the global weights after it."""
+
+    name = "probe"
+
+    def __init__(self):
+        self.fused: dict[int, list[int]] = {}
+        self.finite: dict[int, bool] = {}
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        self.fused[round] = [u.client_id for u in uploads]
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        self.finite[round] = all(bool(torch.isfinite(v).all()) for v in run.server.model.state_dict().values()
+                                 if v.is_floating_point())
+        return {}
+
+
+@pytest.mark.parametrize("failing", [Raises, GoesNaN], ids=["raises", "nan"])
+def test_drop_leaves_the_client_out_of_that_round_only(tiny_config, tmp_path, caplog, failing):
+    from fedaval.api import run_training
+
+    probe = Probe()
+    with caplog.at_level(logging.WARNING, logger="fedaval"):
+        results = run_training(tiny_config(eval_every=1), extra_plugins=[failing(), probe])
+    assert probe.fused == {1: [0, 1], 2: [0], 3: [0, 1], 4: [0, 1]}
+    assert all(probe.finite.values()) and len(probe.finite) == 4
+    rounds = results["rounds"]
+    assert [len(r["failed_clients"]) for r in rounds] == [0, 1, 0, 0]
+    failure = rounds[1]["failed_clients"][0]
+    assert failure["client"] == 1
+    expected = "disk full on client 1" if failing is Raises else "is nan"
+    assert expected in failure["reason"]
+    assert results["final"]["failed_clients"] == 1
+    assert all(math.isfinite(v) for r in rounds for v in r["losses"].values())
+    assert "round 2: client 1 left out of fusion" in caplog.text and expected in caplog.text
+    on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert on_disk["rounds"][1]["failed_clients"] == rounds[1]["failed_clients"]
+
+
+@pytest.mark.parametrize("failing", [Raises, GoesNaN], ids=["raises", "nan"])
+def test_fail_stops_with_one_line_and_a_checkpoint_to_resume_from(tiny_config, tmp_path, failing):
+    from fedaval import checkpoint
+    from fedaval.api import run_training
+
+    with pytest.raises(RunFailure) as info:
+        run_training(tiny_config(on_client_failure="fail"), extra_plugins=[failing()])
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("client 1 failed in round 2: ")
+    assert f"resume from round 1 with: fedaval train --resume {tmp_path / 'run'}" in message
+    assert [r for r, _ in checkpoint.saved(tmp_path / "run")] == [1]
+    assert len(json.loads((tmp_path / "run" / "results.json").read_text())["rounds"]) == 1
+
+
+def test_every_client_failing_stops_even_under_drop(tiny_config):
+    from fedaval.api import run_training
+
+    class AllRaise:
+        @hookimpl
+        def fedaval_client_upload(self, run, client):
+            raise ValueError(f"bad upload from {client.id}")
+
+    with pytest.raises(RunFailure, match=r"all 2 sampled clients failed in round 1; first: ValueError: bad upload from 0"):
+        run_training(tiny_config(), extra_plugins=[AllRaise()])
+
+
+def test_non_finite_fusion_never_reaches_the_global_model(tiny_config):
+    from fedaval.coordinator import train
+    from fedaval.run import Run
+
+    class BadFusion:
+        @hookimpl
+        def fedaval_fuse_weights(self, run, uploads, global_weights):
+            return {k: torch.full_like(v, float("inf")) for k, v in global_weights.items()}
+
+    run = Run(tiny_config(), extra_plugins=[BadFusion()])
+    before = {k: v.clone() for k, v in run.server.model.state_dict().items()}
+    with pytest.raises(RunFailure, match="round 1: fused weights.* holds non-finite values"):
+        train(run)
+    after = run.server.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+PLUGIN = '''
+from fedaval import hookimpl
+
+
+class Flaky:
+    name = "flaky"
+
+    @hookimpl
+    def fedaval_local_epoch_start(self, run, client, epoch):
+        if client.id == 0 and run.round == 3:
+            raise RuntimeError("GPU fell off the bus")
+'''
+
+
+def test_cli_policies(tmp_path, monkeypatch):
+    (tmp_path / "flaky_plugin.py").write_text(textwrap.dedent(PLUGIN))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flaky_plugin", raising=False)
+    base = ["train", "--quiet", "--plugins", "fedavg,flaky_plugin:Flaky", "--rounds-per-task", "2",
+            "-o", "fcil-sync.clients=2", "-o", "fcil-sync.tasks=2"]
+    runner = CliRunner()
+
+    dropped = runner.invoke(cli, [*base, "--out", str(tmp_path / "drop")])
+    assert dropped.exit_code == 0, dropped.output
+    assert "failed clients: 1" in dropped.output
+    results = json.loads((tmp_path / "drop" / "results.json").read_text())
+    assert results["rounds"][2]["failed_clients"] == [{"client": 0, "reason": "RuntimeError: GPU fell off the bus"}]
+
+    failed = runner.invoke(cli, [*base, "--on-client-failure", "fail", "--out", str(tmp_path / "fail")])
+    assert failed.exit_code == 1
+    lines = [line for line in failed.output.splitlines() if line.strip()]
+    assert lines == [
+        "fedaval: run stopped: client 0 failed in round 3: RuntimeError: GPU fell off the bus; "
+        f"resume from round 2 with: fedaval train --resume {tmp_path / 'fail'}"
+    ]
