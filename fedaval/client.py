@@ -6,8 +6,11 @@ evaluator are built once and live for the whole run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import random
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -64,6 +67,7 @@ class Client:
         self.last_eval: dict[str, Any] | None = None
         self.evaluated_at = -1  # round of the last evaluation
         self.trained_at = -1  # round of the last local training
+        self.rng = client_rng(config.seed, client_id, run.device)
 
     def num_samples(self, task: int | None = None) -> int:
         task = self.task if task is None else task
@@ -74,6 +78,21 @@ class Client:
 
     def seen_classes(self) -> list[int]:
         return sorted({c for t in self.tasks_started for c in self.tasks.classes[t]})
+
+    @contextmanager
+    def rng_scope(self) -> Iterator[None]:
+        """Make this client's random streams the global ones (Python, NumPy,
+        torch CPU and the run's CUDA device) while the block runs, then keep
+        where they got to and put the run's back. Whatever the client draws
+        (data order, dropout, a plugin's sampling) is then independent of the
+        other clients and of the order in which they run."""
+        outside = rng_state(self.run.device)
+        set_rng_state(self.rng, self.run.device)
+        try:
+            yield
+        finally:
+            self.rng = rng_state(self.run.device)
+            set_rng_state(outside, self.run.device)
 
     # --- the round --------------------------------------------------------
     def receive(self, download: dict[str, Any]) -> None:
@@ -110,3 +129,32 @@ class Client:
             return {}
         self.last_eval = self.strategy.eval(exps)
         return self.last_eval
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The global random states: Python, NumPy, torch CPU and ``device`` if CUDA."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_state(states: dict[str, Any], device: torch.device) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def client_rng(seed: int, client_id: int, device: torch.device) -> dict[str, Any]:
+    """Client ``client_id``'s initial random states, derived from the run's seed."""
+    outside = rng_state(device)
+    client_seed = int(np.random.SeedSequence([seed, client_id]).generate_state(1)[0])
+    random.seed(client_seed)
+    np.random.seed(client_seed)
+    torch.manual_seed(client_seed)
+    try:
+        return rng_state(device)
+    finally:
+        set_rng_state(outside, device)

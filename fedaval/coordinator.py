@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any, Callable
 
 from fedaval import checkpoint
+from fedaval.backends import ClientRound
 from fedaval.errors import RunFailure
 from fedaval.evaluation import (
     STREAM_ACC,
@@ -22,7 +22,7 @@ from fedaval.evaluation import (
     scalar,
     summarise,
 )
-from fedaval.payload import Upload, check_finite, merge_entries, payload_nbytes
+from fedaval.payload import Upload, payload_nbytes
 from fedaval.run import Run
 
 
@@ -30,7 +30,9 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     """One federated round. The order of hook calls, in one place:
 
     1. server: ``download = {"weights": shared global weights, **extras}``
-    2. for each client sampled this round, in id order:
+    2. for each client sampled this round (``run.backend`` runs them: in id
+       order in this process by default; each client in its own random
+       streams, see :mod:`fedaval.backends`):
 
        a. the core loads ``download["weights"]`` into the client's shared keys;
           ``fedaval_client_receive(run, client, download)``
@@ -69,26 +71,20 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     hook = run.hook
     start = time.perf_counter()
     run.round = round
-    sampled = [run.clients[k] for k in run.schedule[round - 1]]
+    sampled = run.schedule[round - 1]
     download = run.server.download()
     bytes_down = payload_nbytes(download) * len(sampled)
     uploads: list[Upload] = []
     losses: dict[str, list[float]] = {}
     failed: list[dict[str, Any]] = []
     run.timer.seconds = 0.0
-    for client in sampled:
-        try:
-            client.receive(download)
-            client_losses = hook.fedaval_local_train(run=run, client=client, round=round) or {}
-            check_losses(client_losses)
-            entries = merge_entries(hook.fedaval_client_upload(run=run, client=client), "upload")
-            check_finite(entries, "upload")
-        except Exception as exc:  # noqa: BLE001 - the failure policy decides
-            failed.append(client_failed(run, client, round, exc))
+    for result in run.backend.train_clients(run, sampled, download, round):
+        if result.failure is not None:
+            failed.append(client_failed(run, result, round))
             continue
-        for name, value in client_losses.items():
+        for name, value in result.losses.items():
             losses.setdefault(name, []).append(value)
-        uploads.append(Upload(client.id, client.num_samples(), entries))
+        uploads.append(result.upload)
     if sampled and len(failed) == len(sampled):
         raise RunFailure(f"all {len(sampled)} sampled clients failed in round {round}; first: {failed[0]['reason']}")
     seconds_local = run.timer.seconds
@@ -101,7 +97,7 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
         "task": run.task,
         "round": round,
         "task_end": task_end,
-        "clients": [c.id for c in sampled],
+        "clients": list(sampled),
         "failed_clients": failed,
         "bytes_up": sum(u.nbytes for u in uploads),
         "bytes_down": bytes_down,
@@ -139,15 +135,7 @@ def evaluate(run: Run, round: int) -> dict[str, Any]:
     ``a_sel`` the same over the clients sampled this round."""
     metrics = run.server.evaluate()
     per_task = [scalar(metrics, exp_acc_key(t)) for t in range(run.task + 1)]
-    client_acc = {}
-    for client in run.clients:
-        if not client.tasks_started:
-            continue
-        if client.trained_at > client.evaluated_at:
-            client.evaluate()
-            client.evaluated_at = round
-        if client.last_eval:
-            client_acc[client.id] = scalar(client.last_eval, STREAM_ACC)
+    client_acc = run.backend.client_accuracies(run, round)
     labels = run.data.test_y
     predicted = predict(run, run.server.model, None, run.data.test_x, labels)
     new = run.federation_new_classes()
@@ -232,22 +220,15 @@ def train(
     return results
 
 
-def check_losses(losses: dict[str, float]) -> None:
-    for name, value in losses.items():
-        if not math.isfinite(value):
-            raise FloatingPointError(f"{name} is {value}")
-
-
-def client_failed(run: Run, client: Any, round: int, exc: Exception) -> dict[str, Any]:
-    """Apply ``--on-client-failure`` to ``client``'s failure: stop the run, or
-    warn and return the entry for the round's ``failed_clients``."""
-    reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+def client_failed(run: Run, result: ClientRound, round: int) -> dict[str, Any]:
+    """Apply ``--on-client-failure`` to a failed client round: stop the run,
+    or warn and return the entry for the round's ``failed_clients``."""
     if run.config.on_client_failure == "fail":
-        raise RunFailure(f"client {client.id} failed in round {round}: {reason}") from exc
+        raise RunFailure(f"client {result.client_id} failed in round {round}: {result.failure}") from result.error
     logging.getLogger("fedaval").warning(
-        "round %d: client %d left out of fusion (--on-client-failure drop): %s", round, client.id, reason
+        "round %d: client %d left out of fusion (--on-client-failure drop): %s", round, result.client_id, result.failure
     )
-    return {"client": client.id, "reason": reason}
+    return {"client": result.client_id, "reason": result.failure}
 
 
 def resume_hint(run: Run) -> str:
