@@ -9,6 +9,9 @@ from typing import Any
 from fedaval.errors import FedavalUsageError
 
 FAILURE_POLICIES = ("drop", "fail")
+DATA_PATHS = ("auto", "device", "loader")
+OFFLOAD_POLICIES = ("auto", "none", "cpu", "disk")
+BACKENDS = ("local", "ray")
 
 
 @dataclass
@@ -39,6 +42,11 @@ class RunConfig:
     checkpoint_every: int = 1
     keep_checkpoints: int = 2
     on_client_failure: str = "drop"
+    data_path: str = "auto"
+    offload_clients: str = "auto"
+    backend: str = "local"
+    client_gpus: float = 0.0
+    ray_address: str | None = None
 
     def validate(self) -> None:
         """One-line errors for values no run can use."""
@@ -56,6 +64,11 @@ class RunConfig:
             ("--keep-checkpoints", self.keep_checkpoints, self.keep_checkpoints >= 1, ">= 1"),
             ("--on-client-failure", self.on_client_failure, self.on_client_failure in FAILURE_POLICIES,
              "one of " + ", ".join(FAILURE_POLICIES)),
+            ("--data-path", self.data_path, self.data_path in DATA_PATHS, "one of " + ", ".join(DATA_PATHS)),
+            ("--offload-clients", self.offload_clients, self.offload_clients in OFFLOAD_POLICIES,
+             "one of " + ", ".join(OFFLOAD_POLICIES)),
+            ("--backend", self.backend, self.backend in BACKENDS, "one of " + ", ".join(BACKENDS)),
+            ("--client-gpus", self.client_gpus, 0 <= self.client_gpus, ">= 0 (a fraction of one GPU per client)"),
         ]
         for flag, value, ok, allowed in checks:
             if not ok:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from fedaval import core
-from fedaval.backends import LocalBackend
+from fedaval.backends import make_backend
 from fedaval.client import Client
 from fedaval.config import RunConfig
 from fedaval.datasets import ImageData, load_dataset
@@ -95,7 +95,7 @@ class Run:
 
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
-        self.backend = LocalBackend()
+        self.backend = make_backend(self)
         self.hook.fedaval_setup(run=self)
         seed_everything(config.seed)  # models start the same whatever the plugins drew
         self.server = Server(self, self._model(None), self.federation_task_classes())

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from fedaval.client import Client
     from fedaval.run import Run
 
-__all__ = ["Backend", "ClientRound", "LocalBackend", "client_round", "check_losses"]
+__all__ = ["Backend", "ClientRound", "LocalBackend", "client_round", "check_losses", "make_backend"]
 
 
 @dataclass
@@ -99,3 +99,22 @@ class LocalBackend:
             if client.last_eval:
                 accuracies[client.id] = scalar(client.last_eval, STREAM_ACC)
         return accuracies
+
+
+def make_backend(run: Run) -> Backend:
+    """The backend ``--backend`` names: ``local`` (in process) or ``ray``."""
+    if run.config.backend == "local":
+        return LocalBackend()
+    if run.config.backend == "ray":
+        from fedaval.errors import FedavalUsageError
+
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise FedavalUsageError(
+                "--backend ray needs Ray, which is not installed; install it with: pip install 'fedaval[ray]'"
+            ) from None
+        from fedaval.backends.ray import RayBackend
+
+        return RayBackend(run)
+    raise AssertionError(run.config.backend)  # RunConfig.validate allows only the names above

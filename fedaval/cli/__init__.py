@@ -83,6 +83,17 @@ def cli() -> None:
 @click.option("--keep-checkpoints", default=2, show_default=True, type=int, help="Checkpoints kept (the newest).")
 @click.option("--on-client-failure", default="drop", show_default=True,
               help="drop: leave a failing client out of the round's fusion; fail: stop the run.")
+@click.option("--data-path", default="auto", show_default=True,
+              help="device: keep each client's task data as tensors on --device and batch from them; "
+                   "loader: Avalanche's DataLoader; auto: device when the data fits.")
+@click.option("--offload-clients", default="auto", show_default=True,
+              help="Where clients not sampled this round keep their state: none (live), cpu (bytes in memory), "
+                   "disk (files in the run folder); auto: cpu when --clients-per-round samples fewer than all.")
+@click.option("--backend", default="local", show_default=True,
+              help="local: clients run in this process; ray: on a Ray cluster (pip install 'fedaval[ray]').")
+@click.option("--client-gpus", default=0.0, show_default=True, type=float,
+              help="--backend ray: the share of one GPU each client's work asks for (e.g. 0.25).")
+@click.option("--ray-address", default=None, help="--backend ray: address of a running Ray cluster (default: start one).")
 @click.option("--resume", "resume_dir", default=None, metavar="RUN_DIR",
               help="Continue the run in RUN_DIR from its newest checkpoint (takes no other run option).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
