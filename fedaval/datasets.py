@@ -48,14 +48,21 @@ class ImageData:
 
 
 class TensorImageDataset(Dataset):
-    """Samples ``(normalised float image, label)`` from an :class:`ImageData`
-    split, restricted to ``indices``. ``targets`` is what Avalanche reads."""
+    """Samples ``(normalised float image, label)`` of an :class:`ImageData`
+    split, restricted to ``indices``. ``targets`` is what Avalanche reads.
+
+    It refers to the split's tensors rather than copying its samples, so every
+    client's datasets share one copy of the data (and checkpoints, which write
+    the run's data tensors as references, hold only the indices).
+    :meth:`batch` builds a whole minibatch at once, bit for bit what stacking
+    ``__getitem__`` gives, for the device data path (:mod:`fedaval.device_data`)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, indices, mean, std):
-        index = torch.as_tensor(np.asarray(indices, dtype=np.int64))
-        self.images = images[index]
-        self.targets = labels[index].tolist()
-        self._labels = labels[index]
+        self.images = images
+        self.labels = labels
+        self.index = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        self._positions = self.index.tolist()
+        self.targets = labels[self.index].tolist()
         self._scale = 255.0 if images.dtype == torch.uint8 else 1.0
         self._mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self._std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
@@ -64,9 +71,17 @@ class TensorImageDataset(Dataset):
         return len(self.targets)
 
     def __getitem__(self, i):
+        j = self._positions[i]
         # out of place: for float images .float() is the stored tensor itself
-        x = (self.images[i].float() / self._scale - self._mean) / self._std
-        return x, self._labels[i]
+        x = (self.images[j].float() / self._scale - self._mean) / self._std
+        return x, self.labels[j]
+
+    def batch(self, positions: torch.Tensor, images: torch.Tensor, labels: torch.Tensor):
+        """Samples ``positions`` (of this dataset) normalised, from ``images`` and
+        ``labels``: the split's tensors or their copies on another device."""
+        index = self.index.to(images.device)[positions.to(images.device)]
+        mean, std = self._mean.to(images.device), self._std.to(images.device)
+        return (images[index].float() / self._scale - mean) / std, labels[index]
 
 
 def _digits(root: Path | None, download: bool) -> ImageData:

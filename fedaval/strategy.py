@@ -15,6 +15,8 @@ rounds, and a client trains once per round. Avalanche has no notion of
   other callback (per epoch, per iteration, ``before_backward``...) runs every
   round as usual. To every Avalanche plugin a task therefore looks like one
   long experience, as in centralised continual learning.
+* Its data loaders take the device data path when they can
+  (:mod:`fedaval.device_data`): same minibatches, built without per-sample work.
 * :class:`HookBridge`, one Avalanche plugin per client, turns Avalanche's
   callbacks into fedaval hook calls, so method authors never write Avalanche
   callbacks for federated behaviour.
@@ -28,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from avalanche.core import SupervisedPlugin
 from avalanche.training.templates import SupervisedTemplate
+
+from fedaval.device_data import device_batches
 
 if TYPE_CHECKING:
     from fedaval.client import Client
@@ -68,6 +72,14 @@ class FederatedStrategy(SupervisedTemplate):
             run=self.run, owner=self.owner, model=self.model, features=features, training=self.is_training
         )
         return self.model.classifier(features) if logits is None else logits
+
+    def make_train_dataloader(self, **kwargs):
+        super().make_train_dataloader(**kwargs)
+        self.dataloader = device_batches(self.run, self.dataloader, self.adapted_dataset) or self.dataloader
+
+    def make_eval_dataloader(self, **kwargs):
+        super().make_eval_dataloader(**kwargs)
+        self.dataloader = device_batches(self.run, self.dataloader, self.adapted_dataset) or self.dataloader
 
     def _before_training_exp(self, **kwargs):
         if self.task_begins or self._task_data is None:

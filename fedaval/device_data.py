@@ -1,0 +1,135 @@
+"""The device data path: minibatches gathered from tensors on ``--device``.
+
+Avalanche's data loaders build a minibatch sample by sample: an index goes
+through its dataset layers, our ``TensorImageDataset.__getitem__`` normalises
+one image, and a collate function stacks the results. For the small images of
+continual-learning benchmarks that Python work costs more than the model's
+forward and backward pass. When the dataset fits in device memory, fedaval
+keeps one copy of it there (uint8 images as stored, so CIFAR-10 takes 150 MB)
+and builds each minibatch with one gather and one normalisation on the device.
+
+Same batches, bit for bit: :class:`DeviceBatches` takes each minibatch's
+indices from the very sampler Avalanche's loader would use, created the same
+way (so it draws the same random numbers: the DataLoader iterator's seed, the
+shuffling sampler's), and ``TensorImageDataset.batch`` normalises exactly as
+``__getitem__`` does. A run gives the same results.json with ``--data-path
+device`` and ``--data-path loader``; only the time differs.
+
+Used when the strategy's dataset is a client's or the server's own dataset
+(no plugin replaced it or the dataloader: Avalanche's ReplayPlugin, for
+instance, brings its own loader, which is then used as it is).
+
+The copy is made once per run and device (:func:`device_tensors`); loaders
+refer to it through the run, so checkpoints never hold it. The data are
+not augmented (fedaval's datasets have no augmentation on either path).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+from fedaval.datasets import TensorImageDataset
+
+if TYPE_CHECKING:
+    from fedaval.run import Run
+
+# "auto" uses the device path when the whole dataset takes at most this share
+# of the free memory of a CUDA device (on the CPU: of this many bytes).
+CUDA_SHARE = 0.5
+CPU_BYTES = 8 * 2**30
+
+
+def dataset_nbytes(run: Run) -> int:
+    data = run.data
+    return sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
+
+
+def use_device_path(run: Run) -> bool:
+    """``--data-path``: ``device``, ``loader``, or ``auto`` (device when the
+    dataset fits: under half the free CUDA memory, or 8 GiB on the CPU)."""
+    choice = run.config.data_path
+    if choice != "auto":
+        return choice == "device"
+    if run.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(run.device)
+        return dataset_nbytes(run) <= CUDA_SHARE * free
+    return dataset_nbytes(run) <= CPU_BYTES
+
+
+def device_tensors(run: Run, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's ``split`` ("train"/"test") images and labels on ``run.device``,
+    copied once (on the CPU they are the loaded tensors themselves)."""
+    cache = run.__dict__.setdefault("_device_tensors", {})
+    if split not in cache:
+        data = run.data
+        x, y = (data.train_x, data.train_y) if split == "train" else (data.test_x, data.test_y)
+        cache[split] = (x.to(run.device), y.to(run.device))
+    return cache[split]
+
+
+def tensor_source(dataset: Any) -> TensorImageDataset | None:
+    """The :class:`TensorImageDataset` behind an Avalanche dataset made by
+    :mod:`fedaval.streams` (through ``.train()``/``.eval()`` views), or ``None``
+    when ``dataset`` is anything else (a plugin's concatenation, say)."""
+    datasets = getattr(dataset, "_datasets", None)
+    while datasets is not None and len(datasets) == 1:
+        inner = datasets[0]
+        if isinstance(inner, TensorImageDataset):
+            return inner if len(inner) == len(dataset) else None
+        datasets = getattr(inner, "_datasets", None)
+    return None
+
+
+def torch_loader(loader: Any) -> DataLoader | None:
+    """The single-process torch ``DataLoader`` that ``loader`` iterates: itself,
+    or the one an Avalanche loader makes per epoch; ``None`` for other loaders."""
+    if hasattr(loader, "_get_loader"):  # Avalanche's (Single|Multi)DatasetDataLoader and subclasses
+        return loader if loader.loader_kwargs.get("num_workers", 0) == 0 else None
+    if type(loader) is DataLoader and loader.num_workers == 0:
+        return loader
+    return None
+
+
+def device_batches(run: Run, loader: Any, dataset: Any) -> DeviceBatches | None:
+    """``loader`` on the device data path, or ``None`` when it does not apply."""
+    source = tensor_source(dataset)
+    if source is None or torch_loader(loader) is None or not use_device_path(run):
+        return None
+    if source.images is run.data.train_x:
+        return DeviceBatches(run, loader, source, "train")
+    if source.images is run.data.test_x:
+        return DeviceBatches(run, loader, source, "test")
+    return None
+
+
+class DeviceBatches:
+    """Iterates like the Avalanche loader ``loader`` over ``source``, yielding
+    ``[x, y, task_labels]`` built on the device from whole-minibatch indices."""
+
+    def __init__(self, run: Run, loader: Any, source: TensorImageDataset, split: str):
+        self.run = run
+        self.loader = loader
+        self.source = source
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        images, labels = device_tensors(self.run, self.split)
+        # Making the torch DataLoader's iterator draws the same random numbers as
+        # the loader path does (its base seed, then the sampler's), and
+        # _next_index() gives each minibatch's indices without fetching samples.
+        loader = self.loader._get_loader() if hasattr(self.loader, "_get_loader") else self.loader
+        batches = iter(loader)
+        while True:
+            try:
+                positions = batches._next_index()
+            except StopIteration:
+                return
+            positions = torch.as_tensor(positions, dtype=torch.int64)
+            x, y = self.source.batch(positions, images, labels)
+            yield [x, y, torch.zeros(len(positions), dtype=torch.int64, device=x.device)]
