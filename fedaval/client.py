@@ -6,8 +6,10 @@ evaluator are built once and live for the whole run.
 
 from __future__ import annotations
 
+import os
 import random
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
@@ -30,7 +32,15 @@ class Client:
     the tasks it has trained on so far. ``train_stream[t]`` and
     ``test_stream[t]`` are Avalanche experiences; ``test_stream[t]`` holds the
     test samples of the classes task ``t`` teaches this client for the first
-    time, or is ``None`` when it teaches none."""
+    time, or is ``None`` when it teaches none.
+
+    A client not needed for a while can be *offloaded* (:meth:`offload`): its
+    heavy parts (model, strategy with optimizer, Avalanche plugins and
+    evaluator, streams, random streams) become one pickle held in memory or in
+    a file, and come back the first time anything reads one of them, so code
+    that uses ``client.model`` never needs to know."""
+
+    HEAVY = ("model", "strategy", "bridge", "train_stream", "test_stream", "rng")
 
     def __init__(self, run: Run, client_id: int, tasks: ClientTasks, model: nn.Module):
         from fedaval.evaluation import make_evaluator
@@ -68,6 +78,56 @@ class Client:
         self.evaluated_at = -1  # round of the last evaluation
         self.trained_at = -1  # round of the last local training
         self.rng = client_rng(config.seed, client_id, run.device)
+        self._offloaded: bytes | Path | None = None
+
+    # --- offloading ---------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return self.__dict__.get("_offloaded") is not None
+
+    def offload(self, folder: Path | None = None) -> int:
+        """Replace the heavy parts by their pickle, kept in memory, or in
+        ``folder/client-NNNNNN.state`` when ``folder`` is given. Returns the
+        pickle's size in bytes."""
+        from fedaval import state
+
+        if self.offloaded:
+            return 0
+        blob = state.dumps(self.run, {k: self.__dict__[k] for k in self.HEAVY}, extra={"client": self})
+        for key in self.HEAVY:
+            del self.__dict__[key]
+        if folder is None:
+            self._offloaded = blob
+        else:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"client-{self.id:06d}.state"
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(blob)
+            os.replace(tmp, path)
+            self._offloaded = path
+        return len(blob)
+
+    def materialise(self) -> None:
+        """Load the heavy parts back (on the device they were on)."""
+        from fedaval import state
+
+        where, self._offloaded = self._offloaded, None
+        blob = where.read_bytes() if isinstance(where, Path) else where
+        self.__dict__.update(state.loads(self.run, blob, extra={"client": self}))
+
+    def __getattr__(self, name: str) -> Any:
+        # only called when ordinary lookup fails: an offloaded heavy part
+        if name in Client.HEAVY and self.__dict__.get("_offloaded") is not None:
+            self.materialise()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a checkpoint holds an offloaded client's pickle itself, not its file name
+        saved = dict(self.__dict__)
+        if isinstance(saved.get("_offloaded"), Path):
+            saved["_offloaded"] = saved["_offloaded"].read_bytes()
+        return saved
 
     def num_samples(self, task: int | None = None) -> int:
         task = self.task if task is None else task

@@ -9,6 +9,7 @@ from typing import Any, Callable
 from fedaval import checkpoint
 from fedaval.backends import ClientRound
 from fedaval.errors import RunFailure
+from fedaval.offload import offload_idle
 from fedaval.evaluation import (
     STREAM_ACC,
     STREAM_BWT,
@@ -18,7 +19,7 @@ from fedaval.evaluation import (
     continual_utility,
     exp_acc_key,
     mean_or_none,
-    predict,
+    run_writer,
     scalar,
     summarise,
 )
@@ -108,6 +109,7 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
         record.update(evaluate(run, round))
         for extra in hook.fedaval_round_metrics(run=run, round=round):
             record.update(extra or {})
+    offload_idle(run, round)
     record["seconds_local"] = seconds_local
     record["seconds_fusion"] = seconds_fusion
     record["seconds_eval"] = time.perf_counter() - eval_start
@@ -123,7 +125,8 @@ def evaluate(run: Run, round: int) -> dict[str, Any]:
     model on its own seen classes (clients not trained since their last
     evaluation keep their last result).
 
-    From the global model's predictions on the test set:
+    From the global model's predictions in that evaluation (the test samples
+    of every class seen so far):
 
     * ``a_glo`` (GLDP): mean over clients of the global model's accuracy on
       the classes that client has seen;
@@ -136,8 +139,7 @@ def evaluate(run: Run, round: int) -> dict[str, Any]:
     metrics = run.server.evaluate()
     per_task = [scalar(metrics, exp_acc_key(t)) for t in range(run.task + 1)]
     client_acc = run.backend.client_accuracies(run, round)
-    labels = run.data.test_y
-    predicted = predict(run, run.server.model, None, run.data.test_x, labels)
+    predicted, labels = run.server.predictions.predictions()  # from the evaluation above
     new = run.federation_new_classes()
     earlier = [c for t in range(run.task) for c in new[t]]
     stability = accuracy_on(predicted, labels, earlier)
@@ -248,10 +250,9 @@ ROUND_SCALARS = (
 
 def log_round(run: Run, record: dict[str, Any]) -> None:
     """Round-level figures to TensorBoard, next to Avalanche's metrics."""
-    logger = run.server.strategy.evaluator.loggers
-    if not logger:
+    if run.out_dir is None:
         return
-    writer = logger[0].writer
+    writer = run_writer(run)
     step = record["round"]
     for key in ROUND_SCALARS:
         if record.get(key) is not None:

@@ -67,6 +67,16 @@ class TensorImageDataset(Dataset):
         self._mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self._std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
 
+    def __getstate__(self):
+        # the Python lists are rebuilt from the index tensor: pickling them
+        # (checkpoints, offloaded clients) would cost a call per sample
+        return {k: v for k, v in vars(self).items() if k not in ("_positions", "targets")}
+
+    def __setstate__(self, state):
+        vars(self).update(state)
+        self._positions = self.index.tolist()
+        self.targets = self.labels[self.index].tolist()
+
     def __len__(self) -> int:
         return len(self.targets)
 

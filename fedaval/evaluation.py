@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from avalanche.evaluation.metrics import accuracy_metrics, bwt_metrics, forgetting_metrics
 from avalanche.logging import TensorboardLogger
+from avalanche.core import SupervisedPlugin
 from avalanche.training.plugins import EvaluationPlugin
 
 if TYPE_CHECKING:
@@ -33,20 +34,40 @@ def exp_acc_key(task: int) -> str:
 
 class RoundTensorboardLogger(TensorboardLogger):
     """Avalanche's TensorBoard logger, with the owner appended to every tag
-    and the federated round as the step."""
+    and the federated round as the step. All owners of a run write through
+    one ``SummaryWriter`` (:func:`run_writer`): one events file and one
+    writer thread per run, not per client."""
 
     def __init__(self, run: Run, owner_tag: str):
-        super().__init__(tb_log_dir=str(run.out_dir / "tb"), filename_suffix="." + owner_tag)
         self.run = run
         self.owner_tag = owner_tag
+        super().__init__(tb_log_dir=str(run.out_dir / "tb"))
+
+    def _make_writer(self, tb_log_dir, filename_suffix):
+        return run_writer(self.run)
 
     def log_single_metric(self, name, value, x_plot):
         super().log_single_metric(f"{name}/{self.owner_tag}", value, self.run.round)
 
 
+def run_writer(run: Run):
+    """The run's ``SummaryWriter`` (created on first use, closed with the run)."""
+    import weakref
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = run.__dict__.get("_tb_writer")
+    if writer is None:
+        writer = run._tb_writer = SummaryWriter(str(run.out_dir / "tb"))
+        weakref.finalize(run, SummaryWriter.close, writer)
+    return writer
+
+
 def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:
     """Accuracy, forgetting and BWT per experience and over the stream."""
     loggers = [RoundTensorboardLogger(run, owner_tag)] if run.out_dir is not None else []
+    if loggers:
+        run.loggers[owner_tag] = loggers[0]  # saved state refers to it by name (fedaval.state)
     return EvaluationPlugin(
         accuracy_metrics(experience=True, stream=True),
         forgetting_metrics(experience=True, stream=True),
@@ -56,26 +77,30 @@ def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:
     )
 
 
-def predict(run: Run, model, owner: int | None, images, labels, batch_size: int = 512):
-    """Predicted classes of ``model`` (through ``fedaval_classify``, as the
-    strategies predict) for a whole split, plus the labels, on the CPU."""
-    import torch
+class PredictionRecorder(SupervisedPlugin):
+    """Keeps the predicted classes and labels of the last ``eval()`` call of a
+    strategy, so figures computed from predictions (A_glo, stability,
+    plasticity) need no second pass over the test data."""
 
-    from fedaval.datasets import TensorImageDataset
+    def __init__(self):
+        super().__init__()
+        self._predicted: list = []
+        self._labels: list = []
 
-    dataset = TensorImageDataset(images, labels, range(len(labels)), run.data.mean, run.data.std)
-    was_training = model.training
-    model.eval()
-    out = []
-    with torch.no_grad():
-        for start in range(0, len(dataset), batch_size):
-            x = torch.stack([dataset[i][0] for i in range(start, min(start + batch_size, len(dataset)))])
-            features = model.features(x.to(run.device))
-            logits = run.hook.fedaval_classify(run=run, owner=owner, model=model, features=features, training=False)
-            logits = model.classifier(features) if logits is None else logits
-            out.append(logits.argmax(dim=1).cpu())
-    model.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+    def before_eval(self, strategy, **kwargs):
+        self._predicted, self._labels = [], []
+
+    def after_eval_iteration(self, strategy, **kwargs):
+        self._predicted.append(strategy.mb_output.argmax(dim=1))
+        self._labels.append(strategy.mb_y)
+
+    def predictions(self):
+        """``(predicted, labels)`` of the last evaluation, on the CPU."""
+        import torch
+
+        if not self._labels:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        return torch.cat(self._predicted).cpu(), torch.cat(self._labels).cpu()
 
 
 def accuracy_on(predicted, labels, classes) -> float | None:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedaval import core
+from fedaval import core, offload
 from fedaval.backends import make_backend
 from fedaval.client import Client
 from fedaval.config import RunConfig
@@ -70,6 +70,7 @@ class Run:
         self.round = 0
         self.task = 0
         self.out_dir = out_dir
+        self.loggers: dict[str, Any] = {}  # owner tag -> its TensorBoard logger
         self.device = resolve_device(config.device)
 
         spec = get_scenario(config.scenario)
@@ -99,9 +100,10 @@ class Run:
         self.hook.fedaval_setup(run=self)
         seed_everything(config.seed)  # models start the same whatever the plugins drew
         self.server = Server(self, self._model(None), self.federation_task_classes())
-        self.clients = [
-            Client(self, k, tasks, self._model(k).to(self.device)) for k, tasks in enumerate(self.partition.clients)
-        ]
+        self.clients = []
+        for k, tasks in enumerate(self.partition.clients):
+            self.clients.append(Client(self, k, tasks, self._model(k).to(self.device)))
+            offload.offload(self, self.clients[-1])  # per --offload-clients, before the next one is built
 
     def _model(self, client_id: int | None):
         model = self.hook.fedaval_make_model(run=self, client_id=client_id)

@@ -22,7 +22,7 @@ class Server:
     first learns at stage ``t`` (``None`` when stage ``t`` brings none)."""
 
     def __init__(self, run: Run, model: nn.Module, task_classes: list[list[int]]):
-        from fedaval.evaluation import make_evaluator
+        from fedaval.evaluation import PredictionRecorder, make_evaluator
         from fedaval.streams import make_test_stream
 
         self.run = run
@@ -31,6 +31,7 @@ class Server:
         self.extras: dict[str, Any] = {}
         self.test_stream = make_test_stream(run.data, task_classes)
         self.tasks_started: list[int] = []
+        self.predictions = PredictionRecorder()
         self.strategy = FederatedStrategy(
             run=run,
             owner=None,
@@ -38,6 +39,7 @@ class Server:
             optimizer=torch.optim.SGD(model.parameters(), lr=run.config.lr),
             eval_mb_size=256,
             device=run.device,
+            plugins=[self.predictions],
             evaluator=make_evaluator(run, "global"),
             eval_every=-1,
         )

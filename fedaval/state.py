@@ -12,7 +12,8 @@ loaded. So a client's bytes hold the client's own state and index arrays,
 never a copy of the dataset, and objects shared between a plugin and a client
 stay one object after loading.
 
-Used by checkpoints (:mod:`fedaval.checkpoint`).
+Used by checkpoints (:mod:`fedaval.checkpoint`) and offloaded clients
+(:meth:`fedaval.client.Client.offload`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ if TYPE_CHECKING:
 PROTOCOL = 5
 
 
-def shared_objects(run: Run) -> dict[str, Any]:
-    """The objects of ``run`` that state refers to by name, never stores."""
+def shared_objects(run: Run, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The objects of ``run`` that state refers to by name, never stores, plus
+    ``extra`` (an offloaded client refers to itself this way)."""
     shared: dict[str, Any] = {"run": run, "run.pm": run.pm, "run.hook": run.hook, "run.data": run.data,
                               "run.timer": run.timer}
     for name in ("train_x", "train_y", "test_x", "test_y", "mean", "std"):
@@ -37,10 +39,9 @@ def shared_objects(run: Run) -> dict[str, Any]:
             shared[f"run.data.{name}"] = value
     for name, plugin in run.plugins.objects.items():
         shared[f"plugin.{name}"] = plugin
-    strategies = [("global", run.server.strategy)] + [(f"client{c.id:03d}", c.strategy) for c in run.clients]
-    for owner, strategy in strategies:
-        for i, logger in enumerate(strategy.evaluator.loggers):
-            shared[f"logger.{owner}.{i}"] = logger
+    for owner, logger in run.loggers.items():
+        shared[f"logger.{owner}"] = logger
+    shared.update(extra or {})
     return shared
 
 
@@ -65,27 +66,28 @@ class _Unpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"saved state refers to {name!r}, which this run does not have") from None
 
 
-def dump(run: Run, obj: Any, file: IO[bytes]) -> None:
-    """Pickle ``obj`` to ``file``, writing ``run``'s shared objects as references.
+def dump(run: Run, obj: Any, file: IO[bytes], extra: dict[str, Any] | None = None) -> None:
+    """Pickle ``obj`` to ``file``, writing ``run``'s shared objects (and
+    ``extra``) as references.
 
     Raises ``TypeError`` naming the object that cannot be pickled (a plugin
     holding an open file or a lambda, say)."""
     try:
-        _Pickler(file, shared_objects(run)).dump(obj)
+        _Pickler(file, shared_objects(run, extra)).dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise TypeError(f"cannot save the run's state: {exc}") from exc
 
 
-def load(run: Run, file: IO[bytes]) -> Any:
-    """Unpickle what :func:`dump` wrote, resolving references against ``run``."""
-    return _Unpickler(file, shared_objects(run)).load()
+def load(run: Run, file: IO[bytes], extra: dict[str, Any] | None = None) -> Any:
+    """Unpickle what :func:`dump` wrote, resolving references against ``run`` (and ``extra``)."""
+    return _Unpickler(file, shared_objects(run, extra)).load()
 
 
-def dumps(run: Run, obj: Any) -> bytes:
+def dumps(run: Run, obj: Any, extra: dict[str, Any] | None = None) -> bytes:
     buffer = io.BytesIO()
-    dump(run, obj, buffer)
+    dump(run, obj, buffer, extra)
     return buffer.getvalue()
 
 
-def loads(run: Run, data: bytes) -> Any:
-    return load(run, io.BytesIO(data))
+def loads(run: Run, data: bytes, extra: dict[str, Any] | None = None) -> Any:
+    return load(run, io.BytesIO(data), extra)

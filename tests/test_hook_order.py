@@ -97,9 +97,9 @@ def expected_round(round: int, task: int, first: bool, last: bool) -> list[str]:
             calls.append(f"task_end({c},t{task})")
         calls.append(f"upload({c})")
     calls += ["fuse_weights", f"server_fuse(r{round})"]
-    # evaluation: Avalanche on the global model, then each client's, then the
-    # global model's predictions for A_glo and stability/plasticity
-    calls += ["classify(eval,None)", "classify(eval,0)", "classify(eval,1)", "classify(eval,None)"]
+    # evaluation: Avalanche on the global model (its predictions also give A_glo
+    # and stability/plasticity: no second pass), then each client's
+    calls += ["classify(eval,None)", "classify(eval,0)", "classify(eval,1)"]
     calls.append(f"round_metrics(r{round})")
     return calls
 

@@ -20,7 +20,9 @@ def test_avalanche_metrics_per_owner_in_tensorboard(tiny_config, tmp_path):
         assert f"Top1_Acc_Exp/eval_phase/test_stream/Exp000/{owner}" in tags
     assert {"Fed/bytes_up", "Fed/a_glo", "Fed/utility", "Fed/loss/classification"} <= tags
     # the x axis is the federated round
-    acc = EventAccumulator(str(next((tmp_path / "run" / "tb").glob("*.global"))))
+    events = list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+    assert len(events) == 1  # one writer for the server and every client
+    acc = EventAccumulator(str(events[0]))
     acc.Reload()
     steps = [e.step for e in acc.Scalars("Top1_Acc_Stream/eval_phase/test_stream/global")]
     assert steps == [1, 2, 3, 4]
