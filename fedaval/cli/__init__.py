@@ -84,10 +84,10 @@ def cli() -> None:
 @click.option("--on-client-failure", default="drop", show_default=True,
               help="drop: leave a failing client out of the round's fusion; fail: stop the run.")
 @click.option("--data-path", default="auto", show_default=True,
-              help="device: keep each client's task data as tensors on --device and batch from them; "
-                   "loader: Avalanche's DataLoader; auto: device when the data fits.")
+              help="device: build minibatches from one copy of the dataset kept on --device (the same batches "
+                   "as loader, faster); loader: Avalanche's DataLoader; auto: device when the dataset fits.")
 @click.option("--offload-clients", default="auto", show_default=True,
-              help="Where clients not sampled this round keep their state: none (live), cpu (bytes in memory), "
+              help="Where clients not sampled next round keep their state: none (live), cpu (a pickle in memory), "
                    "disk (files in the run folder); auto: cpu when --clients-per-round samples fewer than all.")
 @click.option("--backend", default="local", show_default=True,
               help="local: clients run in this process; ray: on a Ray cluster (pip install 'fedaval[ray]').")

@@ -1,0 +1,264 @@
+"""Coordinator overhead: `fedaval train` against a plain PyTorch loop doing
+the same FedAvg work, in one invocation.
+
+    python benchmarks/overhead.py                       # CIFAR-10 subset, cnn (the default)
+    python benchmarks/overhead.py --dataset digits      # the worst case: a model too small to hide anything
+
+Same work on both sides: the same partition and client sampling (fedaval's
+scenario function, the run's seed), the same initial model, the same
+minibatches in the same order (each client's own random stream, drawn the way
+fedaval's data loaders draw it), the same number of optimiser steps, FedAvg
+with the same weights, and the same evaluation after every round (the global
+model on the test samples of every class seen so far, each client trained
+since its last evaluation on its seen classes). The benchmark checks the work
+was the same: both final global models must agree (max |difference| printed).
+
+fedaval's side is `fedaval.api.run_training` (what `fedaval train` calls),
+with everything a run does by default: results.json after every round,
+TensorBoard events, a checkpoint after every round. Interpreter start-up and
+imports are not timed on either side; data loading is timed on both.
+
+Prints the median wall time of each over ``--repeats`` alternating repeats and
+their ratio; ``--write`` puts the table in benchmarks/results/overhead.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+TARBALL = HERE.parent.parent / "shared" / "datasets" / "cifar10-jpeg.tar.gz"
+
+
+def cifar_subset(train_per_class: int, test_per_class: int) -> Path:
+    """First ``n`` images per class of the shared CIFAR-10, as an ImageFolder tree."""
+    root = Path(tempfile.gettempdir()) / f"fedaval-overhead-cifar10-{train_per_class}-{test_per_class}"
+    if (root / "done").exists():
+        return root
+    patterns = [f"train/*/{i:04d}.jpg" for i in range(train_per_class)] + [f"test/*/{i:04d}.jpg" for i in range(test_per_class)]
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "xzf", str(TARBALL), "-C", str(root), "--wildcards", *patterns], check=True)
+    (root / "done").touch()
+    return root
+
+
+def run_config(args, out: Path):
+    from fedaval.config import RunConfig
+
+    return RunConfig(
+        plugins=["fedavg"],
+        scenario="fcil-sync",
+        scenario_options={"clients": args.clients, "tasks": args.tasks},
+        dataset=args.dataset,
+        data_root=args.data_root,
+        model=args.model,
+        rounds_per_task=args.rounds_per_task,
+        local_epochs=args.local_epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        device=args.device,
+        seed=args.seed,
+        out=str(out),
+    )
+
+
+# --- fedaval ----------------------------------------------------------------
+def time_fedaval(args, out: Path) -> tuple[float, dict[str, torch.Tensor]]:
+    from fedaval import hookimpl
+    from fedaval.api import run_training
+
+    class Keep:
+        """Keeps the run, to read its final global model."""
+
+        @hookimpl
+        def fedaval_setup(self, run):
+            self.run = run
+
+    keep = Keep()
+    start = time.perf_counter()
+    run_training(run_config(args, out), extra_plugins=[keep])
+    seconds = time.perf_counter() - start
+    return seconds, {k: v.detach().cpu().clone() for k, v in keep.run.server.model.state_dict().items()}
+
+
+# --- the plain loop ------------------------------------------------------------
+def draw(generator: torch.Generator) -> int:
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def shuffled(n: int, generator: torch.Generator) -> torch.Tensor:
+    """One epoch's order, drawn as a shuffling torch DataLoader draws it: its
+    iterator's base seed, then its RandomSampler's seed and permutation."""
+    draw(generator)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(draw(generator)))
+
+
+def normalise(x: torch.Tensor, mean, std) -> torch.Tensor:
+    scale = 255.0 if x.dtype == torch.uint8 else 1.0
+    mean = torch.tensor(mean, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    std = torch.tensor(std, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    return (x.float() / scale - mean) / std
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, data, batch: int = 256) -> float:
+    model.eval()
+    correct = 0
+    for i in range(0, len(y), batch):
+        correct += int((model(normalise(x[i : i + batch], data.mean, data.std)).argmax(1) == y[i : i + batch]).sum())
+    return correct / max(len(y), 1)
+
+
+def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
+    from fedaval.datasets import load_dataset
+    from fedaval.models import build_model
+    from fedaval.run import make_schedule
+    from fedaval.scenarios.partition import fcil_sync
+
+    start = time.perf_counter()
+    device = torch.device("cpu" if args.device == "auto" and not torch.cuda.is_available() else
+                          "cuda" if args.device == "auto" else args.device)
+    data = load_dataset(args.dataset, args.data_root, False)
+    rng = np.random.default_rng(args.seed)
+    partition = fcil_sync(data.train_y.numpy(), data.num_classes, args.clients, args.tasks, 1.0, rng)
+    schedule = make_schedule(partition, args.rounds_per_task, 0, rng)
+    train_x, train_y = data.train_x.to(device), data.train_y.to(device)
+    test_x, test_y = data.test_x.to(device), data.test_y.to(device)
+
+    torch.manual_seed(args.seed)
+    server = build_model(args.model, data.input_shape, data.num_classes).to(device)
+    shared = [k for k, v in server.state_dict().items() if v.is_floating_point()]
+    clients = []
+    for k, tasks in enumerate(partition.clients):
+        model = build_model(args.model, data.input_shape, data.num_classes).to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0, weight_decay=1e-4)
+        client_seed = int(np.random.SeedSequence([args.seed, k]).generate_state(1)[0])
+        clients.append({"model": model, "optimizer": optimizer, "rng": torch.Generator().manual_seed(client_seed),
+                        "tasks": tasks, "seen": [], "trained": False})
+    loss_fn = nn.CrossEntropyLoss()
+    seen_global: list[int] = []
+    for task in range(partition.num_tasks):
+        seen_global += [c for c in sorted({c for cl in partition.clients for c in cl.classes[task]}) if c not in seen_global]
+        for round in range(task * args.rounds_per_task + 1, (task + 1) * args.rounds_per_task + 1):
+            global_state = {k: v.clone() for k, v in server.state_dict().items() if k in shared}
+            uploads, weights = [], []
+            for k in schedule[round - 1]:
+                client = clients[k]
+                model, optimizer, generator = client["model"], client["optimizer"], client["rng"]
+                model.load_state_dict(global_state, strict=False)
+                index = torch.as_tensor(client["tasks"].indices[task], device=device)
+                if task not in client["seen"]:
+                    client["seen"].append(task)
+                model.train()
+                for _ in range(args.local_epochs):
+                    order = index[shuffled(len(index), generator).to(device)]
+                    for i in range(0, len(order), args.batch_size):
+                        batch = order[i : i + args.batch_size]
+                        optimizer.zero_grad()
+                        loss = loss_fn(model(normalise(train_x[batch], data.mean, data.std)), train_y[batch])
+                        loss.backward()
+                        optimizer.step()
+                client["trained"] = True
+                uploads.append({key: v.detach().clone() for key, v in model.state_dict().items() if key in shared})
+                weights.append(len(index))
+            fused = {}
+            for key in shared:  # sample-weighted average, accumulated in float64
+                acc = torch.zeros_like(uploads[0][key], dtype=torch.float64)
+                for upload, w in zip(uploads, weights):
+                    acc += upload[key].to(torch.float64) * (w / sum(weights))
+                fused[key] = acc.to(uploads[0][key].dtype)
+            server.load_state_dict(fused, strict=False)
+            # evaluation: the global model on every class seen, each freshly trained client on its own
+            mask = torch.isin(test_y, torch.tensor(seen_global, device=device))
+            accuracy(server, test_x[mask], test_y[mask], data)
+            for client in clients:
+                if client["trained"]:
+                    classes = sorted({c for t in client["seen"] for c in client["tasks"].classes[t]})
+                    for t in sorted(client["seen"]):  # one pass per seen task, drawn like an eval loader
+                        draw(client["rng"])
+                    mask = torch.isin(test_y, torch.tensor(classes, device=device))
+                    accuracy(client["model"], test_x[mask], test_y[mask], data)
+                    client["trained"] = False
+    seconds = time.perf_counter() - start
+    return seconds, {k: v.detach().cpu().clone() for k, v in server.state_dict().items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", default="imagefolder", help="imagefolder (shared CIFAR-10 subset) or digits")
+    parser.add_argument("--data-root", default=None)
+    parser.add_argument("--train-per-class", type=int, default=300)
+    parser.add_argument("--test-per-class", type=int, default=100)
+    parser.add_argument("--model", default="auto")
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--tasks", type=int, default=5)
+    parser.add_argument("--rounds-per-task", type=int, default=3)
+    parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--write", action="store_true", help="write benchmarks/results/overhead.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.dataset == "imagefolder" and args.data_root is None:
+        args.data_root = str(cifar_subset(args.train_per_class, args.test_per_class))
+
+    times = {"fedaval": [], "plain": []}
+    difference = 0.0
+    with tempfile.TemporaryDirectory(prefix="fedaval-overhead-") as tmp:
+        time_plain(args)  # warm-up: decoded-image cache, allocator, lazy imports
+        for repeat in range(args.repeats):
+            for side in (("fedaval", "plain") if repeat % 2 == 0 else ("plain", "fedaval")):
+                if side == "fedaval":
+                    seconds, state = time_fedaval(args, Path(tmp) / f"run{repeat}")
+                    fedaval_state = state
+                else:
+                    seconds, plain_state = time_plain(args)
+                times[side].append(seconds)
+            difference = max(difference, max(float((fedaval_state[k].double() - plain_state[k].double()).abs().max())
+                                              for k in plain_state if plain_state[k].is_floating_point()))
+    fed, plain = statistics.median(times["fedaval"]), statistics.median(times["plain"])
+    command = "python benchmarks/overhead.py" + ("" if not (argv or sys.argv[1:]) else " " + " ".join(argv or sys.argv[1:]))
+    rows = [
+        "| side | median s | all repeats s |",
+        "|---|---|---|",
+        f"| fedaval train | {fed:.3f} | {' '.join(f'{t:.3f}' for t in times['fedaval'])} |",
+        f"| plain PyTorch loop | {plain:.3f} | {' '.join(f'{t:.3f}' for t in times['plain'])} |",
+    ]
+    summary = (f"ratio fedaval / plain: {fed / plain:.3f}   "
+               f"max |global weight difference|: {difference:.2e} (the same work: identical data order and steps)")
+    print("\n".join(rows))
+    print(summary)
+    if args.write:
+        setting = (f"{args.dataset} ({'shared CIFAR-10, first ' + str(args.train_per_class) + ' train / ' + str(args.test_per_class) + ' test images per class' if args.dataset == 'imagefolder' else 'built in'}), "
+                   f"model {args.model}, fcil-sync {args.clients} clients x {args.tasks} tasks, {args.rounds_per_task} rounds per task, "
+                   f"{args.local_epochs} local epoch(s), batch {args.batch_size}, device {args.device}, {args.threads} torch thread(s), seed {args.seed}")
+        text = (f"\n## {args.dataset}, {args.model}, {args.device}\n\nCommand: `{command}`\n"
+                f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
+                f"{os.cpu_count()} cores (shared with other jobs){'; GPU: ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}\n"
+                f"Setting: {setting}.\n\n" + "\n".join(rows) + f"\n\n{summary}\n")
+        path = HERE / "results" / "overhead.md"
+        header = "# Coordinator overhead: fedaval train vs a plain PyTorch loop\n\nWritten by `benchmarks/overhead.py --write`; one section per configuration.\n"
+        old = path.read_text() if path.exists() else header
+        path.write_text(old + text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,27 @@
+"""The speed and memory benchmarks run (tiny settings; no timing is asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script: str, *args: str) -> str:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_overhead_benchmark_runs_and_does_the_same_work():
+    out = run("overhead.py", "--dataset", "digits", "--tasks", "2", "--rounds-per-task", "1", "--repeats", "1")
+    assert "ratio fedaval / plain:" in out
+    assert "max |global weight difference|: 0.00e+00" in out  # identical data order, steps and fusion
+
+
+def test_client_memory_benchmark_runs():
+    out = run("client_memory.py", "--dataset", "digits", "--model", "mlp", "--clients", "3,4", "--per-round", "2",
+              "--offload", "cpu")
+    assert "peak grows by" in out and "one client's stored state" in out
