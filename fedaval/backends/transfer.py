@@ -1,0 +1,166 @@
+"""What a client's round sends between the driver and a worker process.
+
+The Ray backend (:mod:`fedaval.backends.ray`) keeps every client on the
+driver, as the in-process backend does, and sends a client's whole state to
+a worker for its round and back (see that module for why). The state of
+client ``k`` is two things:
+
+* the :class:`~fedaval.client.Client` object (model, optimizer, Avalanche
+  strategy and plugins, evaluator, random streams);
+* its entries in the plugins' per-client state: entry ``k`` of every ``dict``
+  attribute of every plugin object (``FedProx.anchors[k]``,
+  ``GLDP.local[k]``, ``PFCL.memory[k]``, ...). Every built-in method keeps
+  its per-client state this way. An entry of a server-side dict whose key
+  happens to equal ``k`` (a class id) travels too, and comes back unchanged.
+
+Both are pickled together, so objects they share (an Avalanche plugin held
+by a client's strategy and by ``AvalancheBridge.instances[k]``) stay one
+object. As in :mod:`fedaval.state`, the run's shared objects (the run, its
+data tensors, the plugin objects, the TensorBoard loggers) are written as
+references and resolved against the receiving process's run, built from the
+same configuration; so are the plugins' ``nn.Module`` attributes (HGP's frozen
+backbone), which are built the same way on both sides. Tensors on a CUDA
+device are re-created on the receiving run's device, so a driver on ``cuda:1``
+and a worker whose one GPU is ``cuda:0`` understand each other.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from fedaval import state
+
+if TYPE_CHECKING:
+    from fedaval.run import Run
+
+__all__ = ["dumps", "loads", "client_entries", "set_client_entries", "drop_client_entries", "plugin_dicts"]
+
+
+def plugin_objects(run: Run) -> Iterator[tuple[str, Any]]:
+    """``(name, object)`` of every plugin object with attributes (modules have none)."""
+    for name, plugin in run.plugins.objects.items():
+        if not isinstance(plugin, ModuleType) and hasattr(plugin, "__dict__"):
+            yield name, plugin
+
+
+def plugin_dicts(run: Run) -> Iterator[tuple[str, str, dict]]:
+    """``(plugin name, attribute, dict)`` for every ``dict`` attribute of every plugin object."""
+    for name, plugin in plugin_objects(run):
+        for attr, value in list(vars(plugin).items()):
+            if isinstance(value, dict):
+                yield name, attr, value
+
+
+def client_entries(run: Run, client_id: int) -> dict[str, dict[str, Any]]:
+    """``{plugin: {attribute: value}}``: entry ``client_id`` of each plugin dict that has one."""
+    entries: dict[str, dict[str, Any]] = {}
+    for name, attr, values in plugin_dicts(run):
+        if client_id in values:
+            entries.setdefault(name, {})[attr] = values[client_id]
+    return entries
+
+
+def drop_client_entries(run: Run, client_id: int) -> None:
+    for _, _, values in plugin_dicts(run):
+        values.pop(client_id, None)
+
+
+def set_client_entries(run: Run, client_id: int, entries: dict[str, dict[str, Any]]) -> None:
+    """Make client ``client_id``'s entries exactly ``entries``: the ones not
+    given are removed (a plugin that popped an entry during the round)."""
+    drop_client_entries(run, client_id)
+    for name, attrs in entries.items():
+        plugin = run.plugins.objects[name]
+        for attr, value in attrs.items():
+            getattr(plugin, attr)[client_id] = value
+
+
+def shared_names(run: Run, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`fedaval.state.shared_objects`, each plugin's ``nn.Module``
+    attributes, and ``extra``."""
+    from torch import nn
+
+    shared = state.shared_objects(run)
+    for name, plugin in plugin_objects(run):
+        for attr, value in vars(plugin).items():
+            if isinstance(value, nn.Module):
+                shared[f"plugin.{name}.{attr}"] = value
+    shared.update(extra or {})
+    return shared
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file, shared: dict[str, Any]):
+        super().__init__(file, protocol=state.PROTOCOL)
+        self._names = {id(obj): name for name, obj in shared.items()}
+
+    def persistent_id(self, obj: Any) -> str | None:
+        return self._names.get(id(obj))
+
+
+class _RelocatingPickler(_Pickler):
+    """Writes a CUDA tensor as its CPU copy, re-created on the receiver's device."""
+
+    def __init__(self, file, shared: dict[str, Any], run: Run):
+        super().__init__(file, shared)
+        self._run = run
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
+            is_parameter = isinstance(obj, torch.nn.Parameter)
+            return _on_receiver_device, (obj.detach().cpu(), obj.requires_grad, is_parameter, self._run)
+        return NotImplemented
+
+
+def _on_receiver_device(data, requires_grad: bool, is_parameter: bool, run: Run):
+    """Rebuild a tensor written by :class:`_RelocatingPickler` on ``run.device``
+    (``run`` is the receiving run: it is written as a reference)."""
+    import torch
+
+    tensor = data.to(run.device)
+    if is_parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, shared: dict[str, Any], missing: Callable[[str], Any] | None):
+        super().__init__(file)
+        self._shared = shared
+        self._missing = missing
+
+    def persistent_load(self, name: str) -> Any:
+        if name in self._shared:
+            return self._shared[name]
+        if self._missing is not None:
+            return self._missing(name)
+        raise pickle.UnpicklingError(f"sent state refers to {name!r}, which this process's run does not have")
+
+
+def dumps(run: Run, obj: Any, extra: dict[str, Any] | None = None) -> bytes:
+    """Pickle ``obj`` for another process holding a run of the same
+    configuration; ``extra`` names more objects to write as references.
+
+    Raises ``TypeError`` naming what cannot be pickled."""
+    buffer = io.BytesIO()
+    shared = shared_names(run, extra)
+    pickler = _RelocatingPickler(buffer, shared, run) if run.device.type == "cuda" else _Pickler(buffer, shared)
+    try:
+        pickler.dump(obj)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise TypeError(f"cannot send the client's state: {exc}") from exc
+    return buffer.getvalue()
+
+
+def loads(
+    run: Run, data: bytes, extra: dict[str, Any] | None = None, missing: Callable[[str], Any] | None = None
+) -> Any:
+    """Unpickle what :func:`dumps` wrote, resolving references against ``run``
+    and ``extra``; ``missing(name)`` supplies a reference neither has (else
+    it is an ``UnpicklingError``)."""
+    return _Unpickler(io.BytesIO(data), shared_names(run, extra), missing).load()
