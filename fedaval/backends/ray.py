@@ -50,6 +50,7 @@ import logging
 import math
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -215,7 +216,8 @@ class RayBackend:
 
     ``traffic`` holds, per round, the bytes of the broadcast sent once to the
     object store, of the client states sent to workers and of what came back
-    (states, uploads and losses)."""
+    (states, uploads and losses), and the seconds the driver spent pickling
+    and loading them (``driver_seconds``)."""
 
     name = "ray"
 
@@ -307,10 +309,12 @@ class RayBackend:
     def train_clients(self, run: Run, client_ids: list[int], download: dict[str, Any], round: int) -> list[ClientRound]:
         """Hand the sampled clients to the workers as they free up; results in ``client_ids`` order."""
         slots = list(self._ready_workers())
+        start = time.perf_counter()
         broadcast = transfer.dumps(run, download)
         broadcast_ref = ray.put(broadcast)
         download_key = (self._token, round)
-        traffic = {"round": round, "broadcast": len(broadcast), "to_workers": 0, "from_workers": 0, "clients": len(client_ids)}
+        traffic = {"round": round, "clients": len(client_ids), "broadcast": len(broadcast), "to_workers": 0,
+                   "from_workers": 0, "driver_seconds": time.perf_counter() - start}
         queue = list(client_ids)
         running: dict[Any, tuple[_Slot, int]] = {}
         results: dict[int, ClientRound] = {}
@@ -322,11 +326,13 @@ class RayBackend:
                 break
             while queue and slots:
                 slot, k = slots.pop(0), queue.pop(0)
+                start = time.perf_counter()
                 client = run.clients[k]
                 if getattr(client, "offloaded", False):  # --offload-clients: live again, as in-process
                     client.materialise()
                 sent = transfer.dumps(run, {"client": client, "entries": transfer.client_entries(run, k)})
                 traffic["to_workers"] += len(sent)
+                traffic["driver_seconds"] += time.perf_counter() - start
                 ref = slot.actor.train.remote(k, sent, download_key, broadcast_ref, round, run.task)
                 running[ref] = (slot, k)
             done, _ = ray.wait(list(running), num_returns=1)
@@ -340,8 +346,10 @@ class RayBackend:
             except ray.exceptions.RayError as exc:  # a bug, not a client failure
                 raise RunFailure(f"--backend ray: client {k}'s round failed on its worker: {_last_line(exc)}") from exc
             slots.append(slot)
+            start = time.perf_counter()
             traffic["from_workers"] += len(back)
             results[k], issue = self._take_back(run, k, back)
+            traffic["driver_seconds"] += time.perf_counter() - start
             problem = problem or issue
         self.traffic.append(traffic)
         if problem:
