@@ -4,7 +4,9 @@ The coordinator (:mod:`fedaval.coordinator`) owns the order of a round and
 the server; a backend runs the client half of it, the hooks that run on a
 client (receive, local training, upload) and the clients' evaluation, and
 reports what each client produced. The in-process backend
-(:class:`LocalBackend`) runs the sampled clients one after the other.
+(:class:`LocalBackend`) runs the sampled clients one after the other;
+``--backend ray`` (:mod:`fedaval.backends.ray`) runs them in parallel on Ray
+workers, the driver keeping every client's state between rounds.
 
 Each client draws its random numbers (data order, augmentation, dropout,
 plugins' draws) from its own streams (:meth:`fedaval.client.Client.rng_scope`),
