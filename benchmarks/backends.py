@@ -43,7 +43,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from pfcl_ablation import cifar_subset  # noqa: E402 - the shared CIFAR-10 subset, extracted once
+from cifar_data import cifar_subset  # noqa: E402 - the shared CIFAR-10 subset, extracted once
 
 
 def median(values):

@@ -26,7 +26,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -66,7 +65,7 @@ def measure(settings: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    from overhead import cifar_subset
+    from cifar_data import cifar_subset
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", default="10,50,100")

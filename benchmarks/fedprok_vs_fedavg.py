@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from cifar_data import cifar_subset  # noqa: E402 - this folder, see cifar_data.py
+
 HERE = Path(__file__).resolve().parent
-TARBALL = HERE.parent.parent / "shared" / "datasets" / "cifar10-jpeg.tar.gz"
-FULL = Path("/tmp/cifar10-full")
 
 METHODS = [
     ("FedAvg", ["fedavg"], {}),
@@ -35,39 +32,6 @@ METHODS = [
     ("FedProK w/o PKF", ["fedprok"], {"fedprok": {"fusion": "false"}}),
     ("FedProK", ["fedprok"], {}),
 ]
-
-
-def cifar_full() -> Path:
-    """The shared CIFAR-10, extracted once to /tmp/cifar10-full (race-safe)."""
-    if (FULL / "test" / "truck").is_dir():
-        return FULL
-    tmp = Path(tempfile.mkdtemp(dir="/tmp", prefix="cifar10-extract-"))
-    subprocess.run(["tar", "xzf", str(TARBALL), "-C", str(tmp)], check=True)
-    try:
-        os.rename(tmp, FULL)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return FULL
-
-
-def cifar_subset(train_per_class: int, test_per_class: int) -> Path:
-    """An ImageFolder of the first ``n`` images of every class (symlinks)."""
-    full = cifar_full()
-    root = Path(f"/tmp/cifar10-subset-{train_per_class}-{test_per_class}")
-    if (root / "done").exists():
-        return root
-    tmp = Path(tempfile.mkdtemp(dir="/tmp", prefix="cifar10-subset-"))
-    for split, n in (("train", train_per_class), ("test", test_per_class)):
-        for cls in sorted(p.name for p in (full / split).iterdir()):
-            (tmp / split / cls).mkdir(parents=True)
-            for f in sorted((full / split / cls).iterdir())[:n]:
-                (tmp / split / cls / f.name).symlink_to(f)
-    (tmp / "done").touch()
-    try:
-        os.rename(tmp, root)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
 
 
 def pct(value) -> str:

@@ -72,7 +72,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import overhead  # noqa: E402
-from overhead import accuracy, cifar_subset, draw, normalise, shuffled  # noqa: E402
+from overhead import accuracy, draw, max_difference, normalise, shuffled  # noqa: E402
 
 try:
     import flwr
@@ -292,24 +292,9 @@ def time_flower(args, cpus: int, exact: bool = False, holder: dict | None = None
     return seconds, holder["state"]
 
 
-def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in b if b[k].is_floating_point())
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default="imagefolder", help="imagefolder (shared CIFAR-10 subset) or digits")
-    parser.add_argument("--data-root", default=None)
-    parser.add_argument("--train-per-class", type=int, default=300)
-    parser.add_argument("--test-per-class", type=int, default=100)
-    parser.add_argument("--model", default="auto")
-    parser.add_argument("--clients", type=int, default=3)
-    parser.add_argument("--tasks", type=int, default=5)
-    parser.add_argument("--rounds-per-task", type=int, default=3)
-    parser.add_argument("--local-epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--seed", type=int, default=0)
+    overhead.add_work_arguments(parser)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of this process (fedaval, the ServerApp)")
     parser.add_argument("--cpus", default="1,2", help="CPUs (= Ray actors, 1 torch thread each) given to Flower, one side each")
@@ -319,8 +304,7 @@ def main(argv=None) -> int:
     args.device = "cpu"
     torch.set_num_threads(args.threads)
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    if args.dataset == "imagefolder" and args.data_root is None:
-        args.data_root = str(cifar_subset(args.train_per_class, args.test_per_class))
+    overhead.resolve_data_root(args)
     cpus = [int(c) for c in args.cpus.split(",")]
     sides = ["fedaval"] + [f"flower-{c}" for c in cpus]
 

@@ -28,7 +28,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,20 +38,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from cifar_data import cifar_subset  # noqa: E402 - this folder, see cifar_data.py
+
 HERE = Path(__file__).resolve().parent
-TARBALL = HERE.parent.parent / "shared" / "datasets" / "cifar10-jpeg.tar.gz"
-
-
-def cifar_subset(train_per_class: int, test_per_class: int) -> Path:
-    """First ``n`` images per class of the shared CIFAR-10, as an ImageFolder tree."""
-    root = Path(tempfile.gettempdir()) / f"fedaval-overhead-cifar10-{train_per_class}-{test_per_class}"
-    if (root / "done").exists():
-        return root
-    patterns = [f"train/*/{i:04d}.jpg" for i in range(train_per_class)] + [f"test/*/{i:04d}.jpg" for i in range(test_per_class)]
-    root.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["tar", "xzf", str(TARBALL), "-C", str(root), "--wildcards", *patterns], check=True)
-    (root / "done").touch()
-    return root
 
 
 def run_config(args, out: Path):
@@ -196,8 +184,8 @@ def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
     return seconds, {k: v.detach().cpu().clone() for k, v in server.state_dict().items()}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_work_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that define the FedAvg work (shared with flower_overhead.py)."""
     parser.add_argument("--dataset", default="imagefolder", help="imagefolder (shared CIFAR-10 subset) or digits")
     parser.add_argument("--data-root", default=None)
     parser.add_argument("--train-per-class", type=int, default=300)
@@ -209,15 +197,30 @@ def main(argv=None) -> int:
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def resolve_data_root(args) -> None:
+    """The shared CIFAR-10 subset when ``--dataset imagefolder`` has no ``--data-root``."""
+    if args.dataset == "imagefolder" and args.data_root is None:
+        args.data_root = str(cifar_subset(args.train_per_class, args.test_per_class))
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest |a - b| over the floating-point entries of two state dicts."""
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in b if b[k].is_floating_point())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_work_arguments(parser)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/overhead.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.dataset == "imagefolder" and args.data_root is None:
-        args.data_root = str(cifar_subset(args.train_per_class, args.test_per_class))
+    resolve_data_root(args)
 
     times = {"fedaval": [], "plain": []}
     difference = 0.0
@@ -231,8 +234,7 @@ def main(argv=None) -> int:
                 else:
                     seconds, plain_state = time_plain(args)
                 times[side].append(seconds)
-            difference = max(difference, max(float((fedaval_state[k].double() - plain_state[k].double()).abs().max())
-                                              for k in plain_state if plain_state[k].is_floating_point()))
+            difference = max(difference, max_difference(fedaval_state, plain_state))
     fed, plain = statistics.median(times["fedaval"]), statistics.median(times["plain"])
     command = "python benchmarks/overhead.py" + ("" if not (argv or sys.argv[1:]) else " " + " ".join(argv or sys.argv[1:]))
     rows = [
