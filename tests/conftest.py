@@ -45,21 +45,9 @@ def cifar10_root(tmp_path_factory) -> Path:
 @pytest.fixture
 def tiny_config(tmp_path):
     """A RunConfig factory for fast digits runs: ``tiny_config(plugins=[...], ...)``."""
-    from fedaval.config import RunConfig
+    from helpers import tiny_run_config
 
     def make(**overrides):
-        settings = dict(
-            dataset="digits",
-            scenario="fcil-sync",
-            scenario_options={"clients": 2, "tasks": 2},
-            rounds_per_task=2,
-            local_epochs=1,
-            batch_size=32,
-            device="cpu",
-            seed=0,
-            out=str(tmp_path / "run"),
-        )
-        settings.update(overrides)
-        return RunConfig(**settings)
+        return tiny_run_config(overrides.pop("out", tmp_path / "run"), **overrides)
 
     return make

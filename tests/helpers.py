@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fedaval import hookimpl
+
 
 def strip_timing(obj):
     """results.json without wall-clock figures and the run folder: what two
@@ -11,3 +13,47 @@ def strip_timing(obj):
     if isinstance(obj, list):
         return [strip_timing(v) for v in obj]
     return obj
+
+
+def tiny_run_config(out, **overrides):
+    """A RunConfig for a fast digits run into ``out`` (2 clients, 2 tasks, 2
+    rounds each): what the ``tiny_config`` fixture makes, for module-scoped use."""
+    from fedaval.config import RunConfig
+
+    settings = dict(
+        dataset="digits",
+        scenario="fcil-sync",
+        scenario_options={"clients": 2, "tasks": 2},
+        rounds_per_task=2,
+        local_epochs=1,
+        batch_size=32,
+        device="cpu",
+        seed=0,
+        out=str(out),
+    )
+    settings.update(overrides)
+    return RunConfig(**settings)
+
+
+def one_line_error(args, code=2):
+    """Run ``fedaval ARGS``; check it exits with ``code`` printing one line; return the line."""
+    from click.testing import CliRunner
+
+    from fedaval.cli import cli
+
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+class Raises:
+    """A plugin whose client 1 raises in its local training of round 2."""
+
+    name = "raises"
+
+    @hookimpl
+    def fedaval_local_epoch_start(self, run, client, epoch):
+        if client.id == 1 and run.round == 2:
+            raise RuntimeError("disk full on client 1")

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from fedaval.cli import cli
-from helpers import strip_timing
+from helpers import one_line_error, strip_timing
 
 FEDAVAL = [sys.executable, "-c", "from fedaval.cli import main; main()"]
 
@@ -133,12 +133,6 @@ def test_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tiny_config
 
 
 # --- what users get wrong -----------------------------------------------------
-def one_line_error(args, code=2):
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    return lines[0]
 
 
 def test_resume_errors_are_one_line(tmp_path, tiny_config):

@@ -15,17 +15,7 @@ from click.testing import CliRunner
 from fedaval import hookimpl
 from fedaval.cli import cli
 from fedaval.errors import RunFailure
-
-
-class Raises:
-    """Client 1's local training raises in round 2."""
-
-    name = "raises"
-
-    @hookimpl
-    def fedaval_local_epoch_start(self, run, client, epoch):
-        if client.id == 1 and run.round == 2:
-            raise RuntimeError("disk full on client 1")
+from helpers import Raises
 
 
 class GoesNaN:

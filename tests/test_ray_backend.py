@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from fedaval import hookimpl
 from fedaval.cli import cli
 from fedaval.errors import RunFailure
-from helpers import strip_timing
+from helpers import Raises, one_line_error, strip_timing
 
 ray = pytest.importorskip("ray")  # in the test extra; CI installs it
 
@@ -23,11 +23,13 @@ FAST = ["-o", "fcil-sync.clients=2", "-o", "fcil-sync.tasks=2", "--rounds-per-ta
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray instance with 2 CPUs for the session. This module's
-    plugin classes go to the workers by value (they cannot import tests/)."""
+    """One local Ray instance with 2 CPUs for the session. The plugin classes
+    of this module and of helpers.py go to the workers by value (they cannot
+    import tests/)."""
     from fedaval.backends.ray import shutdown_workers
 
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    for module in (sys.modules[__name__], sys.modules["helpers"]):
+        ray.cloudpickle.register_pickle_by_value(module)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     shutdown_workers()
@@ -162,15 +164,6 @@ def test_resume_on_the_command_line(ray_cluster, tmp_path):
 
 
 # --- failures ----------------------------------------------------------------------
-class Raises:
-    """Client 1's local training raises in round 2."""
-
-    name = "raises"
-
-    @hookimpl
-    def fedaval_local_epoch_start(self, run, client, epoch):
-        if client.id == 1 and run.round == 2:
-            raise RuntimeError("disk full on client 1")
 
 
 def test_a_failing_client_is_dropped_as_in_process(ray_cluster, tiny_config, tmp_path):
@@ -244,12 +237,6 @@ def test_per_client_entries_travel_with_their_client(tiny_config):
 
 
 # --- what users get wrong ----------------------------------------------------------
-def one_line_error(args, code=2):
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    return lines[0]
 
 
 def test_without_ray_the_backend_says_how_to_install_it(monkeypatch, tmp_path):

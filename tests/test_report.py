@@ -14,25 +14,9 @@ from PIL import Image
 
 from fedaval.cli import cli
 from fedaval.report import group_runs, load_runs, mean_std, setting_of, write_report
+from helpers import tiny_run_config
 
 
-def tiny(out: Path, **overrides):
-    """As conftest's ``tiny_config``, module-scoped so the runs are shared."""
-    from fedaval.config import RunConfig
-
-    settings = dict(
-        dataset="digits",
-        scenario="fcil-sync",
-        scenario_options={"clients": 2, "tasks": 2},
-        rounds_per_task=2,
-        local_epochs=1,
-        batch_size=32,
-        device="cpu",
-        seed=0,
-        out=str(out),
-    )
-    settings.update(overrides)
-    return RunConfig(**settings)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +27,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("report-runs")
     paths = {}
     for name, overrides in [("a-s1", dict(seed=1)), ("a-s2", dict(seed=2)), ("b-s1", dict(seed=1, lr=0.05))]:
-        run_training(tiny(root / name, **overrides))
+        run_training(tiny_run_config(root / name, **overrides))
         paths[name] = root / name
     return paths
 
