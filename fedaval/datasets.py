@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fedaval.atomic import atomic_file
 from fedaval.errors import FedavalUsageError, choice_error
 
 
@@ -69,8 +70,9 @@ class TensorImageDataset(Dataset):
 
     def __getstate__(self):
         # the Python lists are rebuilt from the index tensor: pickling them
-        # (checkpoints, offloaded clients) would cost a call per sample
-        return {k: v for k, v in vars(self).items() if k not in ("_positions", "targets")}
+        # (checkpoints, offloaded clients) would cost a call per sample; device
+        # copies are remade on first use
+        return {k: v for k, v in vars(self).items() if k not in ("_positions", "targets", "_device_copies")}
 
     def __setstate__(self, state):
         vars(self).update(state)
@@ -89,9 +91,16 @@ class TensorImageDataset(Dataset):
     def batch(self, positions: torch.Tensor, images: torch.Tensor, labels: torch.Tensor):
         """Samples ``positions`` (of this dataset) normalised, from ``images`` and
         ``labels``: the split's tensors or their copies on another device."""
-        index = self.index.to(images.device)[positions.to(images.device)]
-        mean, std = self._mean.to(images.device), self._std.to(images.device)
+        index, mean, std = self._on_device(images.device)
+        index = index[positions.to(images.device)]
         return (images[index].float() / self._scale - mean) / std, labels[index]
+
+    def _on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The index, mean and std on ``device``, copied there once."""
+        cache = self.__dict__.setdefault("_device_copies", {})
+        if device not in cache:
+            cache[device] = (self.index.to(device), self._mean.to(device), self._std.to(device))
+        return cache[device]
 
 
 def _digits(root: Path | None, download: bool) -> ImageData:
@@ -180,9 +189,8 @@ def _load_cached(kind: str, root: Path, build: Callable[[], dict]) -> dict:
             pass
     data = build()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(data, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as fh:
+        torch.save(data, fh)
     return data
 
 

@@ -49,14 +49,18 @@ def dataset_nbytes(run: Run) -> int:
 
 def use_device_path(run: Run) -> bool:
     """``--data-path``: ``device``, ``loader``, or ``auto`` (device when the
-    dataset fits: under half the free CUDA memory, or 8 GiB on the CPU)."""
-    choice = run.config.data_path
-    if choice != "auto":
-        return choice == "device"
-    if run.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(run.device)
-        return dataset_nbytes(run) <= CUDA_SHARE * free
-    return dataset_nbytes(run) <= CPU_BYTES
+    dataset fits: under half the free CUDA memory, or 8 GiB on the CPU).
+    Decided once per run, at its first data loader."""
+    if "_use_device_path" not in run.__dict__:
+        choice = run.config.data_path
+        if choice != "auto":
+            run._use_device_path = choice == "device"
+        elif run.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(run.device)
+            run._use_device_path = dataset_nbytes(run) <= CUDA_SHARE * free
+        else:
+            run._use_device_path = dataset_nbytes(run) <= CPU_BYTES
+    return run._use_device_path
 
 
 def device_tensors(run: Run, split: str) -> tuple[torch.Tensor, torch.Tensor]:
