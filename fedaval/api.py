@@ -22,7 +22,7 @@ def run_training(
     (tests use it to add probes). The run folder is ``settings.out``, or a new
     folder under ``runs/``; an existing folder that holds results is refused,
     so earlier results are never overwritten."""
-    from fedaval.evaluation import atomic_write_json
+    from fedaval.atomic import atomic_write_json
     from fedaval.run import Run, default_out_dir
 
     config = settings if isinstance(settings, RunConfig) else RunConfig(**settings)

@@ -9,7 +9,7 @@ A checkpoint is the whole state of a run after a completed round, in one file
 * the server (global model, the next download's extras, its evaluator);
 * each plugin's state (``state_dict()`` where the plugin has one, else its
   attributes);
-* the random number generators (Python, NumPy, torch, CUDA);
+* the run's random number generators (Python, NumPy, torch, the CUDA device);
 * results.json's content so far.
 
 Everything goes into one pickle, so an object shared by a plugin and a client
@@ -26,18 +26,15 @@ moment leaves the previous complete checkpoint; the newest
 
 from __future__ import annotations
 
-import os
 import pickle
-import random
 import re
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from fedaval import state
+from fedaval.atomic import atomic_file
+from fedaval.client import rng_state, set_rng_state
 from fedaval.errors import FedavalUsageError
 
 if TYPE_CHECKING:
@@ -78,15 +75,11 @@ def save(run: Run, results: dict[str, Any]) -> Path:
         "clients": run.clients,
         "server": run.server,
         "plugins": {name: plugin_state(obj) for name, obj in run.plugins.objects.items()},
-        "rng": rng_state(),
+        "rng": rng_state(run.device),
         "results": results,
     }
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
+    with atomic_file(path) as fh:
         state.dump(run, content, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
     for _, old in saved(run.out_dir)[run.config.keep_checkpoints:]:
         old.unlink(missing_ok=True)
     return path
@@ -105,7 +98,7 @@ def restore(run: Run, path: Path) -> dict[str, Any]:
     for name, saved_state in content["plugins"].items():
         if name in run.plugins.objects:
             load_plugin_state(run.plugins.objects[name], saved_state)
-    set_rng_state(content["rng"])
+    set_rng_state(content["rng"], run.device)
     return content["results"]
 
 
@@ -146,20 +139,3 @@ def load_plugin_state(plugin: Any, saved_state: dict[str, Any] | None) -> None:
         plugin.load_state_dict(saved_state)
     else:
         vars(plugin).update(saved_state)
-
-
-def rng_state() -> dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(saved_state: dict[str, Any]) -> None:
-    random.setstate(saved_state["python"])
-    np.random.set_state(saved_state["numpy"])
-    torch.set_rng_state(saved_state["torch"])
-    if saved_state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved_state["cuda"])

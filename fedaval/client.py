@@ -6,7 +6,6 @@ evaluator are built once and live for the whole run.
 
 from __future__ import annotations
 
-import os
 import random
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedaval.atomic import atomic_file
 from fedaval.scenarios.partition import ClientTasks
 from fedaval.strategy import Batch, FederatedStrategy, HookBridge
 
@@ -101,9 +101,8 @@ class Client:
         else:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"client-{self.id:06d}.state"
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_bytes(blob)
-            os.replace(tmp, path)
+            with atomic_file(path, sync=False) as fh:  # scratch state: the checkpoints are the durable copy
+                fh.write(blob)
             self._offloaded = path
         return len(blob)
 

@@ -7,6 +7,7 @@ import time
 from typing import Any, Callable
 
 from fedaval import checkpoint
+from fedaval.atomic import atomic_write_json
 from fedaval.backends import ClientRound
 from fedaval.errors import RunFailure
 from fedaval.offload import offload_idle
@@ -15,7 +16,6 @@ from fedaval.evaluation import (
     STREAM_BWT,
     STREAM_FORGETTING,
     accuracy_on,
-    atomic_write_json,
     continual_utility,
     exp_acc_key,
     mean_or_none,

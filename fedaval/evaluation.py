@@ -9,15 +9,12 @@ x axis is the federated round (1-based).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from avalanche.core import SupervisedPlugin
 from avalanche.evaluation.metrics import accuracy_metrics, bwt_metrics, forgetting_metrics
 from avalanche.logging import TensorboardLogger
-from avalanche.core import SupervisedPlugin
 from avalanche.training.plugins import EvaluationPlugin
 
 if TYPE_CHECKING:
@@ -133,16 +130,6 @@ def scalar(metrics: dict[str, Any], key: str) -> float | None:
         return None
     value = float(value)
     return None if math.isnan(value) else value
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    """Write to a temporary file and rename, so a kill never leaves a torn file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=False)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def summarise(rounds: list[dict[str, Any]], matrix: list[list[float | None]]) -> dict[str, Any]:

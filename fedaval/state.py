@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from fedaval.run import Run
@@ -45,7 +45,9 @@ def shared_objects(run: Run, extra: dict[str, Any] | None = None) -> dict[str, A
     return shared
 
 
-class _Pickler(pickle.Pickler):
+class RunPickler(pickle.Pickler):
+    """Writes the objects of ``shared`` (name -> object) as references."""
+
     def __init__(self, file: IO[bytes], shared: dict[str, Any]):
         super().__init__(file, protocol=PROTOCOL)
         self._names = {id(obj): name for name, obj in shared.items()}
@@ -54,16 +56,21 @@ class _Pickler(pickle.Pickler):
         return self._names.get(id(obj))
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: IO[bytes], shared: dict[str, Any]):
+class RunUnpickler(pickle.Unpickler):
+    """Resolves references against ``shared``; ``missing(name)`` supplies one
+    it lacks (else an ``UnpicklingError``)."""
+
+    def __init__(self, file: IO[bytes], shared: dict[str, Any], missing: Callable[[str], Any] | None = None):
         super().__init__(file)
         self._shared = shared
+        self._missing = missing
 
     def persistent_load(self, name: str) -> Any:
-        try:
+        if name in self._shared:
             return self._shared[name]
-        except KeyError:
-            raise pickle.UnpicklingError(f"saved state refers to {name!r}, which this run does not have") from None
+        if self._missing is not None:
+            return self._missing(name)
+        raise pickle.UnpicklingError(f"saved state refers to {name!r}, which this run does not have")
 
 
 def dump(run: Run, obj: Any, file: IO[bytes], extra: dict[str, Any] | None = None) -> None:
@@ -73,14 +80,14 @@ def dump(run: Run, obj: Any, file: IO[bytes], extra: dict[str, Any] | None = Non
     Raises ``TypeError`` naming the object that cannot be pickled (a plugin
     holding an open file or a lambda, say)."""
     try:
-        _Pickler(file, shared_objects(run, extra)).dump(obj)
+        RunPickler(file, shared_objects(run, extra)).dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise TypeError(f"cannot save the run's state: {exc}") from exc
 
 
 def load(run: Run, file: IO[bytes], extra: dict[str, Any] | None = None) -> Any:
     """Unpickle what :func:`dump` wrote, resolving references against ``run`` (and ``extra``)."""
-    return _Unpickler(file, shared_objects(run, extra)).load()
+    return RunUnpickler(file, shared_objects(run, extra)).load()
 
 
 def dumps(run: Run, obj: Any, extra: dict[str, Any] | None = None) -> bytes:

@@ -83,25 +83,16 @@ def shared_names(run: Run, extra: dict[str, Any] | None = None) -> dict[str, Any
     attributes, and ``extra``."""
     from torch import nn
 
-    shared = state.shared_objects(run)
-    for name, plugin in plugin_objects(run):
-        for attr, value in vars(plugin).items():
-            if isinstance(value, nn.Module):
-                shared[f"plugin.{name}.{attr}"] = value
-    shared.update(extra or {})
-    return shared
+    modules = {
+        f"plugin.{name}.{attr}": value
+        for name, plugin in plugin_objects(run)
+        for attr, value in vars(plugin).items()
+        if isinstance(value, nn.Module)
+    }
+    return state.shared_objects(run, {**modules, **(extra or {})})
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, file, shared: dict[str, Any]):
-        super().__init__(file, protocol=state.PROTOCOL)
-        self._names = {id(obj): name for name, obj in shared.items()}
-
-    def persistent_id(self, obj: Any) -> str | None:
-        return self._names.get(id(obj))
-
-
-class _RelocatingPickler(_Pickler):
+class _RelocatingPickler(state.RunPickler):
     """Writes a CUDA tensor as its CPU copy, re-created on the receiver's device."""
 
     def __init__(self, file, shared: dict[str, Any], run: Run):
@@ -128,20 +119,6 @@ def _on_receiver_device(data, requires_grad: bool, is_parameter: bool, run: Run)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, shared: dict[str, Any], missing: Callable[[str], Any] | None):
-        super().__init__(file)
-        self._shared = shared
-        self._missing = missing
-
-    def persistent_load(self, name: str) -> Any:
-        if name in self._shared:
-            return self._shared[name]
-        if self._missing is not None:
-            return self._missing(name)
-        raise pickle.UnpicklingError(f"sent state refers to {name!r}, which this process's run does not have")
-
-
 def dumps(run: Run, obj: Any, extra: dict[str, Any] | None = None) -> bytes:
     """Pickle ``obj`` for another process holding a run of the same
     configuration; ``extra`` names more objects to write as references.
@@ -149,7 +126,7 @@ def dumps(run: Run, obj: Any, extra: dict[str, Any] | None = None) -> bytes:
     Raises ``TypeError`` naming what cannot be pickled."""
     buffer = io.BytesIO()
     shared = shared_names(run, extra)
-    pickler = _RelocatingPickler(buffer, shared, run) if run.device.type == "cuda" else _Pickler(buffer, shared)
+    pickler = _RelocatingPickler(buffer, shared, run) if run.device.type == "cuda" else state.RunPickler(buffer, shared)
     try:
         pickler.dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
@@ -163,4 +140,4 @@ def loads(
     """Unpickle what :func:`dumps` wrote, resolving references against ``run``
     and ``extra``; ``missing(name)`` supplies a reference neither has (else
     it is an ``UnpicklingError``)."""
-    return _Unpickler(io.BytesIO(data), shared_names(run, extra), missing).load()
+    return state.RunUnpickler(io.BytesIO(data), shared_names(run, extra), missing).load()

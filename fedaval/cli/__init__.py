@@ -6,9 +6,6 @@ import torch.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import click
 
 from fedaval import config_file

@@ -37,7 +37,7 @@ import dataclasses
 from typing import Optional
 
 from fedaval import hookimpl
-from fedaval.options import option, positive, unit_interval
+from fedaval.options import option, unit_interval
 from fedaval.plugin import Plugin
 
 
