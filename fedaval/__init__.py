@@ -14,6 +14,6 @@ PROJECT_NAME = "fedaval"
 ENTRY_POINT_GROUP = "fedaval.plugins"
 
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
-"""Marker for hook implementations: ``@hookimpl def fedaval_local_loss(...)``."""
+"""Marker for hook implementations: ``@hookimpl def fedaval_client_loss(...)``."""
 
 __all__ = ["hookimpl", "ENTRY_POINT_GROUP", "PROJECT_NAME", "__version__"]

@@ -17,6 +17,7 @@ from torch import nn
 
 from fedaval.atomic import atomic_file
 from fedaval.scenarios.partition import ClientTasks
+from fedaval.stash import Stash
 from fedaval.strategy import Batch, FederatedStrategy, HookBridge
 
 if TYPE_CHECKING:
@@ -34,13 +35,15 @@ class Client:
     test samples of the classes task ``t`` teaches this client for the first
     time, or is ``None`` when it teaches none.
 
+    ``stash`` holds the plugins' per-client state (:mod:`fedaval.stash`).
+
     A client not needed for a while can be *offloaded* (:meth:`offload`): its
     heavy parts (model, strategy with optimizer, Avalanche plugins and
-    evaluator, streams, random streams) become one pickle held in memory or in
+    evaluator, streams, random streams, the plugins' stash) become one pickle held in memory or in
     a file, and come back the first time anything reads one of them, so code
     that uses ``client.model`` never needs to know."""
 
-    HEAVY = ("model", "strategy", "bridge", "train_stream", "test_stream", "rng")
+    HEAVY = ("model", "strategy", "bridge", "train_stream", "test_stream", "rng", "stash", "_task_experience")
 
     def __init__(self, run: Run, client_id: int, tasks: ClientTasks, model: nn.Module):
         from fedaval.evaluation import make_evaluator
@@ -52,15 +55,17 @@ class Client:
         self.model = model
         self.task = 0
         self.tasks_started: list[int] = []
+        self.stash = Stash()
+        self._task_experience = None  # the current task's training experience (see train_round)
         self.train_stream = make_train_stream(run.data, tasks.indices)
         self.test_stream = make_test_stream(run.data, tasks.classes)
         self.shared_keys: list[str] = list(run.hook.fedaval_shared_keys(run=run, model=model))
         self.bridge = HookBridge(run, self)
-        method_plugins = [p for result in run.hook.fedaval_avalanche_plugins(run=run, client=self) for p in (result or [])]
+        method_plugins = [p for result in run.hook.fedaval_client_avalanche_plugins(run=run, client=self) for p in (result or [])]
         config = run.config
         self.strategy = FederatedStrategy(
             run=run,
-            owner=client_id,
+            client=self,
             model=model,
             optimizer=torch.optim.SGD(
                 model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
@@ -166,15 +171,32 @@ class Client:
         self.run.hook.fedaval_client_receive(run=self.run, client=self, download=download)
 
     def train_round(self, round: int, task: int, begins: bool, ends: bool) -> dict[str, float]:
-        """One local round: a single ``strategy.train()`` call on task ``task``."""
+        """One local round: a single ``strategy.train()`` call on task ``task``.
+
+        At the client's first round of the task (``begins``) the task's
+        training experience is made: its own samples plus what
+        ``fedaval_client_train_data`` adds; later rounds of the task reuse it."""
         self.task = task
         if begins and task not in self.tasks_started:
             self.tasks_started.append(task)
         self.strategy.task_begins = begins
         self.strategy.task_ends = ends
-        self.strategy.train(self.train_stream[task], eval_streams=[])
+        if begins or self._task_experience is None:
+            self._task_experience = self.training_experience(task)
+        self.strategy.train(self._task_experience, eval_streams=[])
+        if ends:
+            self._task_experience = None
         self.trained_at = round
         return self.bridge.round_losses()
+
+    def training_experience(self, task: int):
+        """Task ``task``'s experience with the plugins' extra training data
+        (:func:`fedaval.hookspecs.fedaval_client_train_data`) added."""
+        from fedaval.streams import with_extra_data
+
+        own = self.train_stream[task]
+        extras = [e for e in self.run.hook.fedaval_client_train_data(run=self.run, client=self, task=task) if e is not None]
+        return with_extra_data(self.run.data, own, self.tasks.indices[task], extras) if extras else own
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         """The shared keys' current values (what FedAvg uploads)."""
@@ -182,12 +204,12 @@ class Client:
         return {key: state[key].detach().clone() for key in self.shared_keys}
 
     def evaluate(self) -> dict[str, Any]:
-        """Avalanche metrics of this client's model on its seen test experiences."""
+        """Avalanche metrics of this client's model on its seen test
+        experiences (what the core's ``fedaval_client_evaluate`` runs)."""
         exps = [self.test_stream[t] for t in sorted(self.tasks_started) if self.test_stream[t] is not None]
         if not exps:
             return {}
-        self.last_eval = self.strategy.eval(exps)
-        return self.last_eval
+        return self.strategy.eval(exps)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

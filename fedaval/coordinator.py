@@ -30,23 +30,33 @@ from fedaval.run import Run
 def run_round(run: Run, round: int) -> dict[str, Any]:
     """One federated round. The order of hook calls, in one place:
 
-    1. server: ``download = {"weights": shared global weights, **extras}``
+    0. ``run.now`` is the round's :class:`~fedaval.run.RoundInfo`; at the
+       first round of a stage, ``fedaval_server_task_start(run, task)`` (in
+       :func:`train`, before this function)
+    1. server: ``download = {"weights": shared global weights, **extras}``;
+       per sampled client, ``fedaval_server_download(run, client, download)``
+       adds that client's own entries
     2. for each client sampled this round (``run.backend`` runs them: in id
        order in this process by default; each client in its own random
        streams, see :mod:`fedaval.backends`):
 
-       a. the core loads ``download["weights"]`` into the client's shared keys;
+       a. ``client.task`` becomes the round's task; the core loads
+          ``download["weights"]`` into the client's shared keys;
           ``fedaval_client_receive(run, client, download)``
-       b. ``fedaval_local_train(run, client, round)`` - the core's default runs
+       b. ``fedaval_client_train(run, client, round)`` - the core's default runs
           the client's Avalanche strategy once, which calls, through
           :class:`fedaval.strategy.HookBridge`:
 
-          - ``fedaval_task_start(run, client, task)``: only in the client's
-            first round of the task
-          - per local epoch ``fedaval_local_epoch_start(run, client, epoch)``;
-            per minibatch ``fedaval_classify(..., training=True)``, then
-            ``fedaval_local_loss(run, client, batch)``
-          - ``fedaval_task_end(run, client, task)``: only in the client's last
+          - only in the client's first round of the task:
+            ``fedaval_client_train_data(run, client, task)`` (before the
+            task's data loader is made), then
+            ``fedaval_client_task_start(run, client, task)``
+          - per local epoch ``fedaval_client_epoch_start(run, client, epoch)``;
+            per minibatch ``fedaval_classify(..., training=True)``,
+            ``fedaval_client_criterion(run, client, logits, y)`` (the base
+            loss), ``fedaval_client_loss(run, client, batch)`` (extra terms),
+            the optimizer step, then ``fedaval_client_step(run, client, batch)``
+          - ``fedaval_client_task_end(run, client, task)``: only in the client's last
             round of the task
 
        c. ``fedaval_client_upload(run, client)`` -> the client's :class:`Upload`
@@ -56,30 +66,34 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
        of this round's fusion (a warning names it; the round's
        ``failed_clients`` lists it); under ``fail`` the run stops.
 
-    3. server: ``fedaval_fuse_weights(run, uploads, global_weights)`` (FedAvg by
+    3. server: ``fedaval_server_fuse_weights(run, uploads, global_weights)`` (FedAvg by
        default), loaded into the global model; then
        ``fedaval_server_fuse(run, uploads, round)``, whose entries join the next
-       download
+       download; at the last round of a stage, then
+       ``fedaval_server_task_end(run, task)``
     4. on the evaluation schedule: the global model and the clients trained
        since their last evaluation are evaluated with Avalanche's metrics
-       (``fedaval_classify(..., training=False)``); then
+       (``fedaval_classify(..., training=False)``; each client's evaluation
+       inside ``fedaval_client_evaluate(run, client)``); then
        ``fedaval_round_metrics(run, round)``
 
     Rounds are numbered from 1. Set-up hooks (``fedaval_setup``,
     ``fedaval_make_model``, ``fedaval_shared_keys``,
-    ``fedaval_avalanche_plugins``) run once, before round 1.
+    ``fedaval_client_avalanche_plugins``) run once, before round 1;
+    ``fedaval_teardown(run)`` once when the run stops.
     """
     hook = run.hook
     start = time.perf_counter()
-    run.round = round
+    now = run.enter_round(round)
     sampled = run.schedule[round - 1]
     download = run.server.download()
-    bytes_down = payload_nbytes(download) * len(sampled)
+    extras = {k: client_extras(run, k, download) for k in sampled}
+    bytes_down = payload_nbytes(download) * len(sampled) + sum(payload_nbytes(e) for e in extras.values())
     uploads: list[Upload] = []
     losses: dict[str, list[float]] = {}
     failed: list[dict[str, Any]] = []
     run.timer.seconds = 0.0
-    for result in run.backend.train_clients(run, sampled, download, round):
+    for result in run.backend.train_clients(run, sampled, download, round, extras):
         if result.failure is not None:
             failed.append(client_failed(run, result, round))
             continue
@@ -91,11 +105,13 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     seconds_local = run.timer.seconds
     fuse_start = time.perf_counter()
     run.server.fuse(uploads, round)
+    task_end = now.task_ends
+    if task_end:
+        hook.fedaval_server_task_end(run=run, task=now.task)
     seconds_fusion = time.perf_counter() - fuse_start
 
-    task_end = round == run.rounds_of_task(run.task)[-1]
     record: dict[str, Any] = {
-        "task": run.task,
+        "task": now.task,
         "round": round,
         "task_end": task_end,
         "clients": list(sampled),
@@ -115,6 +131,19 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     record["seconds_eval"] = time.perf_counter() - eval_start
     record["seconds"] = time.perf_counter() - start
     return record
+
+
+def client_extras(run: Run, client_id: int, download: dict[str, Any]) -> dict[str, Any]:
+    """What ``fedaval_server_download`` adds to the broadcast for this client."""
+    from fedaval.payload import merge_entries
+
+    extra = merge_entries(
+        run.hook.fedaval_server_download(run=run, client=run.clients[client_id], download=download), "download"
+    )
+    clash = sorted(set(extra) & set(download))
+    if clash:
+        raise RuntimeError(f"fedaval_server_download may not replace broadcast entries: {', '.join(clash)}")
+    return extra
 
 
 def evaluate(run: Run, round: int) -> dict[str, Any]:
@@ -192,15 +221,23 @@ def train(
     ``results`` (from :func:`fedaval.checkpoint.restore`) continues a run
     after the rounds it already holds."""
     results = new_results(run) if results is None else results
+    try:
+        return _train(run, on_round, results)
+    finally:
+        run.hook.fedaval_teardown(run=run)
+
+
+def _train(run: Run, on_round: Callable[[dict[str, Any]], None] | None, results: dict[str, Any]) -> dict[str, Any]:
     matrix: list[list[float | None]] = [t["accuracy"] for t in results["tasks"]]
     done = len(results["rounds"])
     for task in range(run.num_tasks):
         rounds = [r for r in run.rounds_of_task(task) if r > done]
         if not rounds:
             continue
-        run.task = task
         if rounds[0] == run.rounds_of_task(task)[0]:
+            run.enter_round(rounds[0])
             run.server.begin_task(task)
+            run.hook.fedaval_server_task_start(run=run, task=task)
         for round in rounds:
             try:
                 record = run_round(run, round)

@@ -12,8 +12,9 @@ from fedaval import hookimpl
 
 
 class CorePlugin:
-    """Default model (``--model``) and local training (one Avalanche
-    ``train()`` call per round), and the wall-clock of each client's training."""
+    """Default model (``--model``), local training (one Avalanche ``train()``
+    call per round) with the cross-entropy as its base loss, and a client's
+    evaluation (Avalanche's metrics on its seen classes)."""
 
     name = "core"
 
@@ -24,10 +25,22 @@ class CorePlugin:
         return build_model(run.config.model, run.data.input_shape, run.num_classes)
 
     @hookimpl(trylast=True)
-    def fedaval_local_train(self, run, client, round):
-        task = run.task
-        rounds = [r for r in run.rounds_of_task(task) if client.id in run.schedule[r - 1]]
-        return client.train_round(round, task, begins=round == rounds[0], ends=round == rounds[-1])
+    def fedaval_client_train(self, run, client, round):
+        """The client's own first and last round of the task are those of the
+        stage's rounds it is sampled in."""
+        now = run.now
+        rounds = [r for r in range(now.first_round, now.last_round + 1) if client.id in run.schedule[r - 1]]
+        return client.train_round(round, now.task, begins=round == rounds[0], ends=round == rounds[-1])
+
+    @hookimpl(trylast=True)
+    def fedaval_client_criterion(self, run, client, logits, y):
+        import torch.nn.functional as F
+
+        return F.cross_entropy(logits, y)
+
+    @hookimpl(trylast=True)
+    def fedaval_client_evaluate(self, run, client):
+        return client.evaluate()
 
 
 class LocalTrainTimer:
@@ -40,7 +53,7 @@ class LocalTrainTimer:
         self.seconds = 0.0
 
     @hookimpl(wrapper=True)
-    def fedaval_local_train(self, run, client, round):
+    def fedaval_client_train(self, run, client, round):
         start = time.perf_counter()
         try:
             return (yield)

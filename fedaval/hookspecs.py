@@ -8,8 +8,27 @@ Arguments are passed by name; an implementation may accept any subset of them.
 ``run`` is the :class:`fedaval.run.Run` of the job (config, scenario, device,
 server, clients); ``client`` is a :class:`fedaval.client.Client`.
 
+Names follow one rule: ``fedaval_<side>_<event>``, where the side is
+``client`` (runs on a client, inside its own random streams) or ``server``
+(runs on the server, once per round or task); hooks of neither side are
+run-wide set-up, evaluation or teardown (``fedaval_setup``,
+``fedaval_classify``, ``fedaval_round_metrics``...).
+
 The order in which the hooks are called during one round is documented once,
-in :func:`fedaval.coordinator.run_round`.
+in :func:`fedaval.coordinator.run_round`. Where the run is (round, task, first
+and last round of the task) is ``run.now``, a :class:`fedaval.run.RoundInfo`
+the coordinator computes once per round.
+
+Registration is strict: an implementation whose name starts with
+``fedaval_`` but matches no spec below is an error naming it and the closest
+spec (:func:`fedaval.plugin_manager.check_hook_names`).
+
+Per-client state of a plugin lives on the client, in ``client.stash`` (typed
+keys the plugin owns, :class:`fedaval.stash.StashKey`), never in a plugin
+attribute keyed by client id: the client then carries its method state
+wherever it goes (offloaded to memory or disk, sent to a Ray worker, saved in a
+checkpoint). A plugin's own attributes hold the server's state and are
+changed by server hooks only.
 """
 
 from __future__ import annotations
@@ -70,7 +89,14 @@ def fedaval_shared_keys(run: Run, model: nn.Module) -> list[str] | None:
 
 
 @hookspec
-def fedaval_avalanche_plugins(run: Run, client: Client) -> list[Any] | None:
+def fedaval_teardown(run: Run) -> None:
+    """Called once when the run stops (finished, failed or interrupted),
+    after the last results are written. Release files, threads and caches
+    here. Every plugin is called; return value ignored."""
+
+
+@hookspec
+def fedaval_client_avalanche_plugins(run: Run, client: Client) -> list[Any] | None:
     """Avalanche training plugins (``SupervisedPlugin`` instances) to attach to
     ``client``'s strategy. Called once per client at set-up; all results are
     concatenated. Attached plugins see one Avalanche experience per *task*:
@@ -84,8 +110,28 @@ def fedaval_avalanche_plugins(run: Run, client: Client) -> list[Any] | None:
 
 
 @hookspec
+def fedaval_server_task_start(run: Run, task: int) -> None:
+    """The federation starts stage ``task`` (0-based): called on the server
+    once, before the stage's first round (``run.now`` is that round). Anchor
+    what the stage's fusion needs (FedProK's prototype anchor). Every plugin
+    is called."""
+
+
+@hookspec
+def fedaval_server_download(run: Run, client: Client, download: dict[str, Any]) -> dict[str, Any] | None:
+    """Entries only ``client`` receives this round, on top of the broadcast
+    ``download`` (which must not be modified): a method that sends each client
+    something different (FedWeIT's knowledge base, a personalised model)
+    returns them here. Called on the server for each sampled client before it
+    trains; entries are merged into that client's download (one plugin per
+    entry name) and their bytes are counted for that client."""
+
+
+@hookspec
 def fedaval_client_receive(run: Run, client: Client, download: dict[str, Any]) -> None:
     """The server's broadcast reaches ``client`` before its local training.
+    ``client.task`` is already this round's task (at a task boundary: the
+    new one).
 
     The core has already loaded ``download["weights"]`` (if any) into the
     client's shared keys; plugins take the other entries they put there in
@@ -94,14 +140,29 @@ def fedaval_client_receive(run: Run, client: Client, download: dict[str, Any]) -
 
 
 @hookspec
-def fedaval_task_start(run: Run, client: Client, task: int) -> None:
+def fedaval_client_task_start(run: Run, client: Client, task: int) -> None:
     """``client`` starts task ``task`` (0-based): called once per task, at the
     first round the client trains on it, after Avalanche has built the task's
     dataloader and optimizer. Every plugin is called."""
 
 
 @hookspec
-def fedaval_local_epoch_start(run: Run, client: Client, epoch: int) -> None:
+def fedaval_client_train_data(run: Run, client: Client, task: int) -> Any:
+    """Extra training data for ``client``'s task ``task``, added to the task's
+    own samples for every round of the task: an exemplar memory, synthetic
+    data. Called once per task, when the client starts it, before
+    ``fedaval_client_task_start``.
+
+    Return a 1-D integer array of indices into the run's training set
+    (``run.data.train_x``; an exemplar memory of real samples: minibatches
+    stay on the device data path), a ``torch.utils.data.Dataset`` yielding
+    ``(x, y)`` with ``x`` normalised as the run's data (synthetic images: the
+    task then takes the loader path), or ``None``. Every plugin is called;
+    all results are added."""
+
+
+@hookspec
+def fedaval_client_epoch_start(run: Run, client: Client, epoch: int) -> None:
     """Before local epoch ``epoch`` (0-based, restarts every round) of
     ``client``. Methods that alternate what is trained (shared body, then
     personal head) switch ``requires_grad`` here. Every plugin is called."""
@@ -109,10 +170,10 @@ def fedaval_local_epoch_start(run: Run, client: Client, epoch: int) -> None:
 
 @hookspec(firstresult=True)
 def fedaval_classify(
-    run: Run, owner: int | None, model: nn.Module, features: torch.Tensor, training: bool
+    run: Run, client: Client | None, model: nn.Module, features: torch.Tensor, training: bool
 ) -> torch.Tensor | None:
-    """Turn ``features`` (output of ``model.features``) into class scores for
-    ``owner`` (a client id, or ``None`` for the global model), in training
+    """Turn ``features`` (output of ``model.features``) into class scores of
+    ``client``'s model (``None``: the server's global model), in training
     (``training=True``, scores feed the cross-entropy) and evaluation.
 
     Stops at the first non-None result; ``None`` everywhere means
@@ -120,8 +181,17 @@ def fedaval_classify(
     classifiers live here."""
 
 
+@hookspec(firstresult=True)
+def fedaval_client_criterion(run: Run, client: Client, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """The base classification loss of one minibatch of ``client``'s local
+    training (``batch.loss`` in :func:`fedaval_client_loss`). Stops at the
+    first non-None result; the core's cross-entropy over all classes is
+    registered ``trylast``. A method that re-weights the cross-entropy (GLFC)
+    or restricts it to the current classes (TARGET) implements this."""
+
+
 @hookspec
-def fedaval_local_loss(run: Run, client: Client, batch: Batch) -> dict[str, torch.Tensor] | None:
+def fedaval_client_loss(run: Run, client: Client, batch: Batch) -> dict[str, torch.Tensor] | None:
     """Extra loss terms for one minibatch of ``client``'s local training.
 
     ``batch`` holds ``x``, ``y``, ``features`` (the model's features of ``x``,
@@ -132,7 +202,15 @@ def fedaval_local_loss(run: Run, client: Client, batch: Batch) -> dict[str, torc
 
 
 @hookspec
-def fedaval_task_end(run: Run, client: Client, task: int) -> None:
+def fedaval_client_step(run: Run, client: Client, batch: Batch) -> None:
+    """After each optimizer step of ``client``'s local training (``batch`` is
+    the minibatch just used; ``batch.loss`` is then the total loss). Step
+    counters (FedNova's tau) and per-step side updates go here. Every plugin
+    is called."""
+
+
+@hookspec
+def fedaval_client_task_end(run: Run, client: Client, task: int) -> None:
     """``client`` finished task ``task``: called once per task, after the last
     round in which the client trains on it and before that round's upload.
     Prototype consolidation, teacher snapshots and memory updates go here.
@@ -140,7 +218,7 @@ def fedaval_task_end(run: Run, client: Client, task: int) -> None:
 
 
 @hookspec(firstresult=True)
-def fedaval_local_train(run: Run, client: Client, round: int) -> dict[str, float] | None:
+def fedaval_client_train(run: Run, client: Client, round: int) -> dict[str, float] | None:
     """Run ``client``'s local training for global round ``round`` (1-based).
 
     The core's implementation (``trylast``) calls the client's Avalanche
@@ -169,7 +247,7 @@ def fedaval_client_upload(run: Run, client: Client) -> dict[str, Any] | None:
 
 
 @hookspec(firstresult=True)
-def fedaval_fuse_weights(
+def fedaval_server_fuse_weights(
     run: Run, uploads: list[Upload], global_weights: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor] | None:
     """Combine the uploaded ``"weights"`` into new global weights.
@@ -178,6 +256,14 @@ def fedaval_fuse_weights(
     the new values of (some of) those keys. Stops at the first non-None
     result; FedAvg's sample-weighted mean is registered ``trylast``, so a
     method overrides it by implementing this hook."""
+
+
+@hookspec
+def fedaval_server_task_end(run: Run, task: int) -> None:
+    """Stage ``task`` ends: called on the server once, after the fusion of the
+    stage's last round and before that round's evaluation. End-of-stage
+    steps (GLDP's final prototype step, a generator trained on the global
+    model) go here. Every plugin is called."""
 
 
 @hookspec
@@ -192,6 +278,15 @@ def fedaval_server_fuse(run: Run, uploads: list[Upload], round: int) -> dict[str
 # ---------------------------------------------------------------------------
 # evaluation: after a round's evaluation
 # ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def fedaval_client_evaluate(run: Run, client: Client) -> dict[str, Any]:
+    """Around the evaluation of ``client``'s model (Avalanche metrics on its
+    seen classes). The core's implementation runs the evaluation; a
+    ``wrapper=True`` implementation swaps in another model for its duration
+    (APFL's mixture) and restores the client's afterwards. Returns the
+    Avalanche metrics dict."""
 
 
 @hookspec

@@ -10,6 +10,7 @@ builds a plugin class from an argument through a factory of
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -142,16 +143,57 @@ def load_plugins(
         pm.register(instance, name=name)
         loaded.names.append(name)
         loaded.objects[name] = instance
+    check_hook_names(pm)
     return loaded
 
 
+def spec_names() -> list[str]:
+    """Every hook spec's name."""
+    return sorted(name for name in dir(hookspecs) if name.startswith("fedaval_") and callable(getattr(hookspecs, name)))
+
+
+def check_hook_names(pm: pluggy.PluginManager) -> None:
+    """Strict registration, as pytest and tox do it: a hook implementation
+    whose name matches no spec is a one-line error naming it, its plugin and
+    the closest spec (otherwise a misspelt ``fedaval_client_los`` would be
+    registered silently and the run would train without it). Also catches a
+    ``fedaval_`` method that names a spec but lacks ``@hookimpl``."""
+    specs = spec_names()
+    for name, plugin in pm.list_name_plugin():
+        callers = pm.get_hookcallers(plugin) or []
+        for caller in callers:
+            if caller.spec is None and caller.name.startswith(f"{PROJECT_NAME}_"):
+                raise FedavalUsageError(
+                    f"plugin {name!r} implements {caller.name!r}, which is no fedaval hook{_closest(caller.name, specs)}"
+                )
+        marked = {impl.function.__name__ for caller in callers for impl in caller.get_hookimpls() if impl.plugin is plugin}
+        for attr in dir(plugin):
+            if attr in specs and attr not in marked and callable(getattr(plugin, attr, None)):
+                raise FedavalUsageError(
+                    f"plugin {name!r} has a method {attr!r} without @hookimpl, so it would never be called; "
+                    "mark it with fedaval.hookimpl"
+                )
+
+
+def _closest(name: str, specs: list[str]) -> str:
+    close = difflib.get_close_matches(name, specs, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else "; see fedaval/hookspecs.py"
+
+
 def hook_names(obj: Any) -> list[str]:
-    """The fedaval hooks an object (or class) implements, sorted."""
-    return sorted(
-        attr
-        for attr in dir(obj)
-        if attr.startswith("fedaval_") and callable(getattr(obj, attr, None))
-    )
+    """The fedaval hooks an object (or class) implements, sorted: methods named
+    ``fedaval_*`` and those marked ``@hookimpl(specname=...)`` (by spec name)."""
+    names = set()
+    for attr in dir(obj):
+        value = getattr(obj, attr, None)
+        if not callable(value):
+            continue
+        opts = getattr(value, f"{PROJECT_NAME}_impl", None)
+        if isinstance(opts, dict) and opts.get("specname"):
+            names.add(opts["specname"])
+        elif attr.startswith("fedaval_"):
+            names.add(attr)
+    return sorted(names)
 
 
 def describe(obj: Any) -> str:

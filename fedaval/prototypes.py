@@ -70,3 +70,25 @@ def nearest_prototype_scores(
     scores = torch.full((features.shape[0], num_classes), float("-inf"), device=features.device, dtype=features.dtype)
     scores[:, torch.tensor(classes, device=features.device)] = -distances
     return scores
+
+
+@torch.no_grad()
+def extract_features(model, dataset, device, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.features`` of every sample of ``dataset``, in order, with the
+    model in eval mode (BatchNorm running statistics, no dropout; its modes
+    are restored afterwards). Returns ``(features, labels)`` on ``device``:
+    the one feature-extraction loop of the prototype methods."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    feats, labels = [], []
+    try:
+        for batch in torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False):
+            x, y = batch[0].to(device), torch.as_tensor(batch[1]).to(device)
+            feats.append(model.features(x))
+            labels.append(y)
+    finally:
+        for m, mode in modes:
+            m.train(mode)
+    if not feats:
+        return torch.zeros(0, device=device), torch.zeros(0, dtype=torch.long, device=device)
+    return torch.cat(feats), torch.cat(labels)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,33 @@ def default_out_dir(config: RunConfig) -> Path:
     return Path("runs") / f"{stamp}-{methods}-{config.scenario}-{config.dataset}-s{config.seed}"
 
 
+@dataclass(frozen=True)
+class RoundInfo:
+    """Where the federation is: global round ``round`` (1-based) of stage
+    ``task`` (0-based), whose rounds run from ``first_round`` to
+    ``last_round``. Computed once per round by the coordinator
+    (``run.now``); a client's own first and last round of a task may differ
+    when clients are sampled (see ``fedaval.core``)."""
+
+    round: int
+    task: int
+    first_round: int
+    last_round: int
+
+    @property
+    def task_begins(self) -> bool:
+        return self.round == self.first_round
+
+    @property
+    def task_ends(self) -> bool:
+        return self.round == self.last_round
+
+
 class Run:
     """Everything a hook may want: ``config``, ``data``, ``partition``,
     ``num_classes``, ``num_tasks``, ``device``, ``server``, ``clients``, and
-    where the run is (``task``, 0-based; ``round``, 1-based; 0 before the first).
+    where the run is: ``now`` (a :class:`RoundInfo`; ``None`` before the
+    first round), ``task`` (0-based) and ``round`` (1-based; 0 before the first).
 
     Build with :meth:`create`; run with :func:`fedaval.coordinator.train`."""
 
@@ -69,6 +93,7 @@ class Run:
         self.hook = self.pm.hook
         self.round = 0
         self.task = 0
+        self.now: RoundInfo | None = None
         self.out_dir = out_dir
         self.loggers: dict[str, Any] = {}  # owner tag -> its TensorBoard logger
         self.device = resolve_device(config.device)
@@ -123,6 +148,18 @@ class Run:
         """Global round numbers (1-based) of stage ``task``."""
         r = self.config.rounds_per_task
         return range(task * r + 1, (task + 1) * r + 1)
+
+    def round_info(self, round: int) -> RoundInfo:
+        """The :class:`RoundInfo` of global round ``round`` (1-based)."""
+        task = (round - 1) // self.config.rounds_per_task
+        rounds = self.rounds_of_task(task)
+        return RoundInfo(round=round, task=task, first_round=rounds[0], last_round=rounds[-1])
+
+    def enter_round(self, round: int) -> RoundInfo:
+        """Make ``round`` the current round (``now``, ``round``, ``task``)."""
+        self.now = self.round_info(round)
+        self.round, self.task = round, self.now.task
+        return self.now
 
     @property
     def total_rounds(self) -> int:

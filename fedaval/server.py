@@ -34,7 +34,7 @@ class Server:
         self.predictions = PredictionRecorder()
         self.strategy = FederatedStrategy(
             run=run,
-            owner=None,
+            client=None,
             model=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=run.config.lr),
             eval_mb_size=256,
@@ -68,10 +68,10 @@ class Server:
         self.strategy.experience = None
 
     def fuse(self, uploads: list[Upload], round: int) -> None:
-        """Weights first (``fedaval_fuse_weights``), then everything else."""
+        """Weights first (``fedaval_server_fuse_weights``), then everything else."""
         hook = self.run.hook
         if uploads:
-            new = hook.fedaval_fuse_weights(run=self.run, uploads=uploads, global_weights=self.global_weights())
+            new = hook.fedaval_server_fuse_weights(run=self.run, uploads=uploads, global_weights=self.global_weights())
             if new:
                 try:
                     check_finite(new, "fused weights")
@@ -85,7 +85,7 @@ class Server:
             hook.fedaval_server_fuse(run=self.run, uploads=uploads, round=round), "download"
         )
         if "weights" in self.extras:
-            raise RuntimeError("fedaval_server_fuse may not return 'weights'; implement fedaval_fuse_weights")
+            raise RuntimeError("fedaval_server_fuse may not return 'weights'; implement fedaval_server_fuse_weights")
 
     def evaluate(self) -> dict[str, Any]:
         exps = [self.test_stream[t] for t in self.tasks_started if self.test_stream[t] is not None]

@@ -54,12 +54,14 @@ class FederatedStrategy(SupervisedTemplate):
     calls (rounds), and whose forward pass goes through the model's split and
     the ``fedaval_classify`` hook.
 
-    ``owner`` is the client id, or ``None`` for the server's global model."""
+    ``client`` is the :class:`~fedaval.client.Client` whose strategy this is,
+    or ``None`` for the server's global model. A client's training loss is
+    ``fedaval_client_criterion`` (the core's cross-entropy by default)."""
 
-    def __init__(self, *, run: Run, owner: int | None, **kwargs: Any):
+    def __init__(self, *, run: Run, client: Client | None, **kwargs: Any):
         super().__init__(**kwargs)
         self.run = run
-        self.owner = owner
+        self.client = client
         self.task_begins = True
         self.task_ends = True
         self.mb_features: torch.Tensor | None = None
@@ -69,9 +71,16 @@ class FederatedStrategy(SupervisedTemplate):
         features = self.model.features(self.mb_x)
         self.mb_features = features
         logits = self.run.hook.fedaval_classify(
-            run=self.run, owner=self.owner, model=self.model, features=features, training=self.is_training
+            run=self.run, client=self.client, model=self.model, features=features, training=self.is_training
         )
         return self.model.classifier(features) if logits is None else logits
+
+    def criterion(self):
+        if self.is_training and self.client is not None:
+            return self.run.hook.fedaval_client_criterion(
+                run=self.run, client=self.client, logits=self.mb_output, y=self.mb_y
+            )
+        return super().criterion()
 
     def make_train_dataloader(self, **kwargs):
         super().make_train_dataloader(**kwargs)
@@ -114,10 +123,10 @@ class HookBridge(SupervisedPlugin):
         self._steps = 0
 
     def before_training_exp(self, strategy, **kwargs):
-        self.run.hook.fedaval_task_start(run=self.run, client=self.client, task=self.client.task)
+        self.run.hook.fedaval_client_task_start(run=self.run, client=self.client, task=self.client.task)
 
     def before_training_epoch(self, strategy, **kwargs):
-        self.run.hook.fedaval_local_epoch_start(run=self.run, client=self.client, epoch=self.epoch)
+        self.run.hook.fedaval_client_epoch_start(run=self.run, client=self.client, epoch=self.epoch)
 
     def after_training_epoch(self, strategy, **kwargs):
         self.epoch += 1
@@ -125,7 +134,7 @@ class HookBridge(SupervisedPlugin):
     def before_backward(self, strategy, **kwargs):
         batch = Batch(strategy.mb_x, strategy.mb_y, strategy.mb_features, strategy.mb_output, strategy.loss)
         self._add("loss/classification", strategy.loss)
-        results = self.run.hook.fedaval_local_loss(run=self.run, client=self.client, batch=batch)
+        results = self.run.hook.fedaval_client_loss(run=self.run, client=self.client, batch=batch)
         seen: set[str] = set()
         for terms in results:
             for name, term in (terms or {}).items():
@@ -139,8 +148,12 @@ class HookBridge(SupervisedPlugin):
         self._add("loss/total", strategy.loss)
         self._steps += 1
 
+    def after_update(self, strategy, **kwargs):
+        batch = Batch(strategy.mb_x, strategy.mb_y, strategy.mb_features, strategy.mb_output, strategy.loss)
+        self.run.hook.fedaval_client_step(run=self.run, client=self.client, batch=batch)
+
     def after_training_exp(self, strategy, **kwargs):
-        self.run.hook.fedaval_task_end(run=self.run, client=self.client, task=self.client.task)
+        self.run.hook.fedaval_client_task_end(run=self.run, client=self.client, task=self.client.task)
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         value = value.detach()

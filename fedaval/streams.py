@@ -57,3 +57,27 @@ def make_test_stream(data: ImageData, task_classes: Sequence[Sequence[int]]) -> 
         idx = indices_of_classes(data, fresh)
         datasets.append(make_dataset(data, "test", idx) if len(idx) else None)
     return _stream("test", datasets)
+
+
+def with_extra_data(data: ImageData, own: DatasetExperience | None, own_indices: np.ndarray, extras: Sequence):
+    """A training experience of ``own``'s task whose dataset is its samples
+    (``own_indices`` of the training split) followed by ``extras``
+    (:func:`fedaval.hookspecs.fedaval_client_train_data` results, in plugin
+    order): index arrays into the training split, or datasets of ``(x, y)``.
+
+    When every extra is an index array the result is one dataset over the
+    concatenated indices, so minibatches stay on the device data path;
+    otherwise the datasets are concatenated (the loader path)."""
+    import torch
+
+    task = own.current_experience if own is not None else 0
+    arrays = [np.asarray(e, dtype=np.int64) for e in extras if isinstance(e, np.ndarray) or torch.is_tensor(e)]
+    datasets = [e for e in extras if not (isinstance(e, np.ndarray) or torch.is_tensor(e))]
+    indices = np.concatenate([np.asarray(own_indices, dtype=np.int64), *(a.reshape(-1) for a in arrays)])
+    dataset = make_dataset(data, "train", indices)
+    for extra in datasets:
+        targets = [int(extra[i][1]) for i in range(len(extra))]
+        dataset = dataset.concat(_make_taskaware_classification_dataset(extra, targets=targets, task_labels=0))
+    exp = DatasetExperience(dataset=dataset, current_experience=task)
+    exp.origin_stream = own.origin_stream if own is not None else None
+    return exp

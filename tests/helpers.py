@@ -54,6 +54,6 @@ class Raises:
     name = "raises"
 
     @hookimpl
-    def fedaval_local_epoch_start(self, run, client, epoch):
+    def fedaval_client_epoch_start(self, run, client, epoch):
         if client.id == 1 and run.round == 2:
             raise RuntimeError("disk full on client 1")

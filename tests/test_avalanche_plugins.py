@@ -33,7 +33,7 @@ class BatchProbe:
         self.largest = defaultdict(int)
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         key = (client.id, run.round)
         self.largest[key] = max(self.largest[key], int(batch.x.shape[0]))
 
@@ -64,8 +64,9 @@ def test_generic_mas_plugin_does_its_end_of_task_work_once_per_task(tiny_config,
     run, results = run_with(config)
     assert len(results["rounds"]) == 6
     bridge = run.plugins.objects["avalanche"]
-    assert sorted(bridge.instances) == [0, 1]
-    for plugin in bridge.instances.values():
+    instances = [bridge.instance(client) for client in run.clients]
+    assert len({id(p) for p in instances}) == 2  # one per client
+    for plugin in instances:
         assert isinstance(plugin, MASPlugin) and plugin._lambda == 2.0
         # once per task, at the task's last round (3 and 6), experience counters 0 and 1
         assert after[id(plugin)] == [(3, 0), (6, 1)]
@@ -136,9 +137,9 @@ def test_hybrids_act_once_per_task_and_replay_in_every_round(tiny_config, monkey
                          rounds_per_task=3)
     run, results = run_with(config, extra=[probe])
     for client in run.clients:
-        ewc = run.plugins.objects["fedewc"].instances[client.id]
-        lwf = run.plugins.objects["fedlwf"].instances[client.id]
-        replay = run.plugins.objects["fedreplay"].instances[client.id]
+        ewc = run.plugins.objects["fedewc"].instance(client)
+        lwf = run.plugins.objects["fedlwf"].instance(client)
+        replay = run.plugins.objects["fedreplay"].instance(client)
         # EWC: importances once per task, keyed by the client's experience counter
         assert ewc_ends[id(ewc)] == [(3, 0), (6, 1)]
         assert sorted(ewc.importances) == [0, 1] and sorted(ewc.saved_params) == [0, 1]
@@ -182,9 +183,9 @@ def test_baselines_run_in_every_scenario(tiny_config, scenario):
     assert all("loss/proximal" in r["losses"] for r in results["rounds"])
     for client in run.clients:
         trained = len(client.tasks_started)
-        ewc = run.plugins.objects["fedewc"].instances[client.id]
-        lwf = run.plugins.objects["fedlwf"].instances[client.id]
-        replay = run.plugins.objects["fedreplay"].instances[client.id]
+        ewc = run.plugins.objects["fedewc"].instance(client)
+        lwf = run.plugins.objects["fedlwf"].instance(client)
+        replay = run.plugins.objects["fedreplay"].instance(client)
         assert sorted(ewc.importances) == list(range(trained))
         assert lwf.lwf.expcount == trained
         assert (len(replay.storage_policy.buffer) > 0) == (trained > 0)

@@ -12,7 +12,8 @@ from torch import nn
 
 from fedaval import hookimpl
 from fedaval.api import run_training
-from fedaval.plugins.apfl import APFL, _MixtureForEvaluation, alpha_gradient, mix, personal_step
+from fedaval.plugins.apfl import ALPHA, APFL, PERSONAL, alpha_gradient, mix, personal_step
+from fedaval.stash import Stash
 from fedaval.plugins.fedavg import weighted_average
 from fedaval.plugins.fednova import fednova_fuse, local_step_norm
 from fedaval.plugins.fedprox import proximal_term
@@ -141,14 +142,16 @@ def test_apfl_evaluation_uses_the_mixture_and_restores_w():
     model = nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0)
-    client = SimpleNamespace(id=0, model=model)
+    client = SimpleNamespace(id=0, model=model, stash=Stash())
     apfl = APFL()
-    apfl.personal[0] = ({"weight": torch.tensor([[3.0]], requires_grad=True)}, {})
-    apfl.alphas[0] = 0.25
-    swap = _MixtureForEvaluation(apfl, client)
-    swap.before_eval(None)
+    client.stash[PERSONAL] = ({"weight": torch.tensor([[3.0]], requires_grad=True)}, {})
+    client.stash[ALPHA] = 0.25
+    wrapper = apfl.fedaval_client_evaluate(run=None, client=client)
+    next(wrapper)  # up to the evaluation
     assert model.weight.item() == pytest.approx(1.5)  # 0.25*3 + 0.75*1
-    swap.after_eval(None)
+    with pytest.raises(StopIteration) as done:
+        wrapper.send({"accuracy": 1.0})
+    assert done.value.value == {"accuracy": 1.0}
     assert model.weight.item() == 1.0
 
 

@@ -21,7 +21,7 @@ def invoke(*args):
 def test_plugins_lists_fedavg_with_its_hooks():
     result = invoke("plugins")
     assert result.exit_code == 0
-    assert "fedavg" in result.output and "fedaval_fuse_weights" in result.output
+    assert "fedavg" in result.output and "fedaval_server_fuse_weights" in result.output
 
 
 def test_scenarios_lists_the_four_settings_with_options():

@@ -24,7 +24,7 @@ class GoesNaN:
     name = "goesnan"
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         if client.id == 1 and run.round == 2:
             return {"poison": batch.loss * float("nan")}
         return {}
@@ -105,7 +105,7 @@ def test_non_finite_fusion_never_reaches_the_global_model(tiny_config):
 
     class BadFusion:
         @hookimpl
-        def fedaval_fuse_weights(self, run, uploads, global_weights):
+        def fedaval_server_fuse_weights(self, run, uploads, global_weights):
             return {k: torch.full_like(v, float("inf")) for k, v in global_weights.items()}
 
     run = Run(tiny_config(), extra_plugins=[BadFusion()])
@@ -124,7 +124,7 @@ class Flaky:
     name = "flaky"
 
     @hookimpl
-    def fedaval_local_epoch_start(self, run, client, epoch):
+    def fedaval_client_epoch_start(self, run, client, epoch):
         if client.id == 0 and run.round == 3:
             raise RuntimeError("GPU fell off the bus")
 '''

@@ -88,6 +88,7 @@ def test_fusion_weighted_mean_for_new_and_ema_for_known_classes():
 def test_server_anchors_the_moving_average_at_the_task_start():
     plugin = FedProK()
     run = SimpleNamespace(task=0)
+    plugin.fedaval_server_task_start(run=run, task=0)
 
     def fuse(value, count=1):
         uploads = [Upload(0, count, {UPLOAD_KEY: {3: T([value])}, COUNTS_KEY: {3: count}})]
@@ -96,6 +97,7 @@ def test_server_anchors_the_moving_average_at_the_task_start():
     assert fuse(2.0) == 2.0
     assert fuse(4.0) == 4.0  # same task: class 3 is still new, replaced by the round's mean
     run.task = 1
+    plugin.fedaval_server_task_start(run=run, task=1)
     assert fuse(8.0) == 6.0  # known since task 0: 0.5*8 + 0.5*4
     assert fuse(0.0) == 2.0  # anchored to the task-0 value 4, not last round's 6
 
@@ -130,11 +132,13 @@ class Probe:
             self.downloads.append((run.round, client.id, {c: v.clone() for c, v in download[DOWNLOAD_KEY].items()}))
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         grads = {p.requires_grad for p in client.model.features.parameters()}
         self.requires_grad.setdefault(client.task, set()).update(grads)
         if self.downloads and self.downloads[-1][:2] == (run.round, client.id):
-            library = run.plugins.objects["fedprok"].library[client.id]
+            from fedaval.plugins.fedprok import LIBRARY
+
+            library = client.stash[LIBRARY]
             sent = self.downloads[-1][2]
             self.library_matches.append(all(torch.equal(library[c].cpu(), v) for c, v in sent.items()))
 

@@ -27,7 +27,7 @@ class Probe:
         self.snapshots.setdefault((run.round, client.id), []).append(state)
 
     @hookimpl(trylast=True)  # after FedRep set the phase
-    def fedaval_local_epoch_start(self, run, client, epoch):
+    def fedaval_client_epoch_start(self, run, client, epoch):
         self._snap(run, client)
 
     @hookimpl

@@ -13,7 +13,9 @@ from fedaval import hookimpl
 from fedaval.api import run_training
 from fedaval.errors import FedavalUsageError
 from fedaval.payload import Upload
+from fedaval.stash import Stash
 from fedaval.plugins.gldp import (
+    LOCAL,
     GLDP,
     class_frequency_weights,
     global_relation_loss,
@@ -55,9 +57,13 @@ def test_mean_over_holders():
 
 
 def _server_round(plugin, round, task, uploads):
-    run = SimpleNamespace(task=task, rounds_of_task=lambda k: range(2 * k + 1, 2 * k + 3))
+    """One server round of stages of 2 rounds: fusion, then the stage's end at its last round."""
+    run = SimpleNamespace(task=task)
     ups = [Upload(i, 10, {"gldp_prototypes": p}) for i, p in enumerate(uploads)]
-    return plugin.fedaval_server_fuse(run=run, uploads=ups, round=round)["gldp_prototypes"]
+    fused = plugin.fedaval_server_fuse(run=run, uploads=ups, round=round)["gldp_prototypes"]
+    if round % 2 == 0:
+        plugin.fedaval_server_task_end(run=run, task=task)
+    return fused
 
 
 def test_global_moving_average_eq11_one_step_per_stage():
@@ -120,13 +126,15 @@ def test_classify_uses_heads_in_training_and_the_chosen_prototypes_in_evaluation
     for predict, expected in (("global", 0), ("local", 2)):
         plugin = GLDP(GLDP.Options(predict=predict))
         plugin.global_set = {0: t(0, 0), 1: t(5, 5)}
-        plugin.local = {7: {2: t(0.1, 0)}}
-        assert plugin.fedaval_classify(run=run, owner=7, model=None, features=features, training=True) is None
-        got = plugin.fedaval_classify(run=run, owner=7, model=None, features=features, training=False)
+        client = SimpleNamespace(id=7, stash=Stash())
+        client.stash[LOCAL] = {2: t(0.1, 0)}
+        assert plugin.fedaval_classify(run=run, client=client, model=None, features=features, training=True) is None
+        got = plugin.fedaval_classify(run=run, client=client, model=None, features=features, training=False)
         assert got.argmax(dim=1).item() == expected
-        glob = plugin.fedaval_classify(run=run, owner=None, model=None, features=features, training=False)
+        glob = plugin.fedaval_classify(run=run, client=None, model=None, features=features, training=False)
         assert glob.argmax(dim=1).item() == 0  # the global model always uses the global set
-    assert GLDP().fedaval_classify(run=run, owner=1, model=None, features=features, training=False) is None
+    empty = SimpleNamespace(id=1, stash=Stash())
+    assert GLDP().fedaval_classify(run=run, client=empty, model=None, features=features, training=False) is None
 
 
 def test_phase_rule():
@@ -161,7 +169,7 @@ class Probe:
         self.server_heads: list[torch.Tensor] = []
 
     @hookimpl(trylast=True)  # after the method set the phase
-    def fedaval_local_epoch_start(self, run, client, epoch):
+    def fedaval_client_epoch_start(self, run, client, epoch):
         self.snapshots.setdefault((run.round, client.id), []).append(
             {k: v.detach().clone() for k, v in client.model.state_dict().items()}
         )
@@ -249,7 +257,7 @@ def test_prototypes_uploaded_at_task_end_and_kept_locally(gldp_run):
     for r, k, sent in probe.prototype_uploads:
         assert sent == set(classes[k][r // 2 - 1])  # the classes of that task only
     for k in range(3):
-        assert set(plugin.local[k]) == set(classes[k][0]) | set(classes[k][1])
+        assert set(run.clients[k].stash[LOCAL]) == set(classes[k][0]) | set(classes[k][1])
     assert set(plugin.global_set) == {c for k in range(3) for task in classes[k] for c in task}
 
 

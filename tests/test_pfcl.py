@@ -11,6 +11,7 @@ from fedaval import hookimpl
 from fedaval.api import run_training
 from fedaval.errors import FedavalUsageError
 from fedaval.plugin import Plugin
+from fedaval.plugins.pfcl import LOCAL, MEMORY, TEACHER
 
 SCENARIO = {"clients": 2, "classes_per_task": 2, "min_tasks": 2, "max_tasks": 2}
 
@@ -28,9 +29,16 @@ class LabelProbe:
     @hookimpl
     def fedaval_setup(self, run):
         self.pfcl = run.plugins.objects["pfcl"]
+        self.run = run
+
+    def stash(self, k, key):
+        return self.run.clients[k].stash.get(key)
+
+    def memory_labels(self, k):
+        return self.run.data.train_y[self.stash(k, MEMORY)]
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         self.labels.setdefault((client.id, client.task), Counter()).update(batch.y.tolist())
 
 
@@ -104,7 +112,7 @@ def test_memory_fixed_total_policy_and_replay_in_training_batches(runs):
     task_classes = pfcl["scenario"]["client_task_classes"]
     for k, tasks in enumerate(task_classes):
         seen = sorted(c for t in tasks for c in t)
-        _, y = plugin.memory[k]
+        y = probe.memory_labels(k)
         counts = Counter(y.tolist())
         assert sorted(counts) == seen
         assert set(counts.values()) == {8 // len(seen)}  # equal share of the fixed total
@@ -122,19 +130,23 @@ def test_memory_per_class_policy_and_heterogeneous_backbones(runs):
     plugin = probe.pfcl
     task_classes = mixed["scenario"]["client_task_classes"]
     for k, tasks in enumerate(task_classes):
-        _, y = plugin.memory[k]
+        y = probe.memory_labels(k)
         assert Counter(y.tolist()) == Counter({c: 3 for t in tasks for c in t})
+        # exemplars are the client's own training samples
+        assert set(probe.stash(k, MEMORY).tolist()) <= {int(i) for t in range(len(tasks)) for i in probe.run.partition.clients[k].indices[t]}
     # client 0 got the MLP, client 1 the CNN, both with 16-d prototypes
-    assert probe.pfcl.local[0] and all(p.shape == (16,) for lib in plugin.local.values() for p in lib.values())
+    libraries = [probe.stash(k, LOCAL) for k in (0, 1)]
+    assert libraries[0] and all(p.shape == (16,) for lib in libraries for p in lib.values())
     assert mixed["final"] is not None
     # teachers are frozen snapshots, one per client that finished a task
-    assert set(plugin.teacher) == {0, 1}
-    assert not any(p.requires_grad for model, _ in plugin.teacher.values() for p in model.parameters())
+    teachers = {k: probe.stash(k, TEACHER) for k in (0, 1)}
+    assert all(t is not None for t in teachers.values())
+    assert not any(p.requires_grad for model, _ in teachers.values() for p in model.parameters())
     # both backbones learn: every client's nearest-prototype accuracy is far above chance
     accuracy = mixed["rounds"][-1]["client_accuracy"]
     assert all(v > 0.6 for v in accuracy.values()), accuracy
     assert mixed["rounds"][-1]["bytes_up"] < 2000
-    kinds = {k: any(isinstance(m, nn.Conv2d) for m in probe.pfcl.teacher[k][0].modules()) for k in (0, 1)}
+    kinds = {k: any(isinstance(m, nn.Conv2d) for m in teachers[k][0].modules()) for k in (0, 1)}
     assert kinds == {0: False, 1: True}
 
 

@@ -178,7 +178,7 @@ def test_fail_policy_stops_with_the_workers_traceback(ray_cluster, tiny_config, 
     with pytest.raises(RunFailure, match="client 1 failed in round 2: RuntimeError: disk full") as info:
         run_training(tiny_config(backend="ray", on_client_failure="fail"), extra_plugins=[Raises()])
     cause = info.value.__cause__.__cause__
-    assert "on Ray worker" in str(cause) and "fedaval_local_epoch_start" in str(cause)
+    assert "on Ray worker" in str(cause) and "fedaval_client_epoch_start" in str(cause)
 
 
 class CountsSteps:
@@ -191,7 +191,7 @@ class CountsSteps:
         self.steps = 0
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         self.steps += 1
 
 
@@ -216,24 +216,20 @@ def test_client_hooks_changing_plugin_wide_state_stop_the_run(ray_cluster, tiny_
         run_training(tiny_config(backend="ray"), extra_plugins=[plugin()])
 
 
-def test_per_client_entries_travel_with_their_client(tiny_config):
-    """Entry k of every plugin dict goes with client k, and comes back as the
-    client left it, removed entries included; no Ray needed."""
+def test_the_stash_travels_with_its_client(tiny_config):
+    """A client's plugin state (its stash) goes to a worker and back with the
+    client, as one pickle with it; no Ray needed."""
     from fedaval.backends import transfer
+    from fedaval.plugins.gldp import LOCAL, PENDING
     from fedaval.run import Run
 
     run = Run(tiny_config(plugins=["gldp"], out=None), out_dir=None)
-    gldp = run.plugins.objects["gldp"]
-    gldp.local[1] = {3: "prototype"}
-    gldp.pending[1] = {3: "pending"}
-    gldp.received[0] = {}
-    gldp.global_set = {1: "class 1, server side"}
-    assert transfer.client_entries(run, 1) == {
-        "gldp": {"local": {3: "prototype"}, "pending": {3: "pending"}, "global_set": "class 1, server side"}
-    }
-    transfer.set_client_entries(run, 1, {"gldp": {"local": {3: "new"}, "global_set": "class 1, server side"}})
-    assert gldp.local == {1: {3: "new"}} and gldp.pending == {} and gldp.received == {0: {}}
-    assert gldp.global_set == {1: "class 1, server side"}
+    client = run.clients[1]
+    client.stash[LOCAL] = {3: "prototype"}
+    client.stash[PENDING] = {3: "pending"}
+    back = transfer.loads(run, transfer.dumps(run, {"client": client}))["client"]
+    assert back is not client and back.stash[LOCAL] == {3: "prototype"} and back.stash[PENDING] == {3: "pending"}
+    assert back.strategy.client is back  # the strategy still knows its client
 
 
 # --- what users get wrong ----------------------------------------------------------

@@ -19,14 +19,14 @@ class AttachAvalanche:
         self.old_class_batches = {}  # (client, round) -> minibatches holding a task-0 class
 
     @hookimpl
-    def fedaval_avalanche_plugins(self, run, client):
+    def fedaval_client_avalanche_plugins(self, run, client):
         self.ewc[client.id] = EWCPlugin(ewc_lambda=1.0)
         self.lwf[client.id] = LwFPlugin()
         self.replay[client.id] = ReplayPlugin(mem_size=20)
         return [self.ewc[client.id], self.lwf[client.id], self.replay[client.id]]
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         old = set(client.tasks.classes[0])
         if run.task == 1 and any(int(y) in old for y in batch.y):
             key = (client.id, run.round)
@@ -54,7 +54,7 @@ class CountTaskEnds:
         self.clock_counters = []
 
     @hookimpl
-    def fedaval_task_end(self, run, client, task):
+    def fedaval_client_task_end(self, run, client, task):
         self.clock_counters.append((client.id, task, client.strategy.clock.train_exp_counter))
 
 

@@ -31,12 +31,12 @@ class Shrink(Plugin):
         weight: float = option(0.5, "L2 weight")
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         l2 = sum((p ** 2).sum() for p in client.model.classifier.parameters())
         return {"shrink_l2": self.options.weight * l2}
 
     @hookimpl
-    def fedaval_fuse_weights(self, run, uploads, global_weights):
+    def fedaval_server_fuse_weights(self, run, uploads, global_weights):
         self.fused_from = uploads[0].client_id
         torch.save(uploads[0].get("weights"), run.out_dir / "client0_weights.pt")
         return uploads[0].get("weights")

@@ -45,9 +45,13 @@ class ClientRound:
 class Backend(Protocol):
     """What the coordinator asks of a backend each round."""
 
-    def train_clients(self, run: Run, client_ids: list[int], download: dict[str, Any], round: int) -> list[ClientRound]:
+    def train_clients(
+        self, run: Run, client_ids: list[int], download: dict[str, Any], round: int,
+        extras: dict[int, dict[str, Any]] | None = None,
+    ) -> list[ClientRound]:
         """Run round ``round`` on each client of ``client_ids`` (steps 2a-2c of
-        :func:`fedaval.coordinator.run_round`); results in ``client_ids`` order."""
+        :func:`fedaval.coordinator.run_round`); client ``k`` receives the
+        broadcast ``download`` plus ``extras[k]``. Results in ``client_ids`` order."""
 
     def client_accuracies(self, run: Run, round: int) -> dict[int, float | None]:
         """Each started client's stream accuracy on its seen classes, evaluating
@@ -62,14 +66,18 @@ def check_losses(losses: dict[str, float]) -> None:
             raise FloatingPointError(f"{name} is {value}")
 
 
-def client_round(run: Run, client: Client, download: dict[str, Any], round: int) -> ClientRound:
+def client_round(
+    run: Run, client: Client, download: dict[str, Any], round: int, extra: dict[str, Any] | None = None
+) -> ClientRound:
     """One client's part of a round, in its own random streams; a failure
-    (an exception, a non-finite loss or upload) is caught and reported."""
+    (an exception, a non-finite loss or upload) is caught and reported.
+    ``extra``: this client's own download entries, on top of ``download``."""
     hook = run.hook
     with client.rng_scope():
         try:
-            client.receive(download)
-            losses = hook.fedaval_local_train(run=run, client=client, round=round) or {}
+            client.task = run.now.task
+            client.receive({**download, **extra} if extra else download)
+            losses = hook.fedaval_client_train(run=run, client=client, round=round) or {}
             check_losses(losses)
             entries = merge_entries(hook.fedaval_client_upload(run=run, client=client), "upload")
             check_finite(entries, "upload")
@@ -84,8 +92,12 @@ class LocalBackend:
 
     name = "local"
 
-    def train_clients(self, run: Run, client_ids: list[int], download: dict[str, Any], round: int) -> list[ClientRound]:
-        return [client_round(run, run.clients[k], download, round) for k in client_ids]
+    def train_clients(
+        self, run: Run, client_ids: list[int], download: dict[str, Any], round: int,
+        extras: dict[int, dict[str, Any]] | None = None,
+    ) -> list[ClientRound]:
+        extras = extras or {}
+        return [client_round(run, run.clients[k], download, round, extras.get(k)) for k in client_ids]
 
     def client_accuracies(self, run: Run, round: int) -> dict[int, float | None]:
         from fedaval.evaluation import STREAM_ACC, scalar
@@ -96,7 +108,7 @@ class LocalBackend:
                 continue
             if client.trained_at > client.evaluated_at:
                 with client.rng_scope():
-                    client.evaluate()
+                    client.last_eval = run.hook.fedaval_client_evaluate(run=run, client=client) or {}
                 client.evaluated_at = round
             if client.last_eval:
                 accuracies[client.id] = scalar(client.last_eval, STREAM_ACC)

@@ -29,10 +29,10 @@ has the measured sizes; :attr:`RayBackend.traffic` counts them). Clients'
 evaluation runs on the driver, one after the other, as in-process: GLDP's
 evaluation reads the server's newest prototypes, which only the driver has.
 
-A plugin's per-client state must live in ``dict`` attributes keyed by client
-id (as every built-in's does), since that is what travels with a client; a
-client hook that changes any other plugin state stops the run with a one-line
-error naming the attribute (:func:`fedaval.backends.worker.unsynced_change`)
+A plugin's per-client state must live in ``client.stash`` (the rule in
+:mod:`fedaval.hookspecs`), since the client is what travels; a client hook
+that changes a plugin's own attributes stops the run with a one-line error
+naming the attribute (:func:`fedaval.backends.worker.unsynced_change`)
 rather than let it differ silently from in-process.
 
 Workers. One Ray actor per parallel client slot, each asking for 1 CPU and
@@ -306,7 +306,10 @@ class RayBackend:
             shutdown_workers()
 
     # --- the Backend protocol ---------------------------------------------
-    def train_clients(self, run: Run, client_ids: list[int], download: dict[str, Any], round: int) -> list[ClientRound]:
+    def train_clients(
+        self, run: Run, client_ids: list[int], download: dict[str, Any], round: int,
+        extras: dict[int, dict[str, Any]] | None = None,
+    ) -> list[ClientRound]:
         """Hand the sampled clients to the workers as they free up; results in ``client_ids`` order."""
         slots = list(self._ready_workers())
         start = time.perf_counter()
@@ -330,7 +333,9 @@ class RayBackend:
                 client = run.clients[k]
                 if getattr(client, "offloaded", False):  # --offload-clients: live again, as in-process
                     client.materialise()
-                sent = transfer.dumps(run, {"client": client, "entries": transfer.client_entries(run, k)})
+                sent = transfer.dumps(
+                    run, {"client": client, "extra": (extras or {}).get(k)}
+                )
                 traffic["to_workers"] += len(sent)
                 traffic["driver_seconds"] += time.perf_counter() - start
                 ref = slot.actor.train.remote(k, sent, download_key, broadcast_ref, round, run.task)
@@ -362,7 +367,6 @@ class RayBackend:
         back = transfer.loads(run, data)
         if "client" in back:
             run.clients[k] = back["client"]
-            transfer.set_client_entries(run, k, back["entries"])
             run.timer.seconds += back["seconds"]
             loggers = transfer.shared_names(run)
             for name, records in back["logs"].items():

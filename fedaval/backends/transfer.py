@@ -3,18 +3,11 @@
 The Ray backend (:mod:`fedaval.backends.ray`) keeps every client on the
 driver, as the in-process backend does, and sends a client's whole state to
 a worker for its round and back (see that module for why). The state of
-client ``k`` is two things:
-
-* the :class:`~fedaval.client.Client` object (model, optimizer, Avalanche
-  strategy and plugins, evaluator, random streams);
-* its entries in the plugins' per-client state: entry ``k`` of every ``dict``
-  attribute of every plugin object (``FedProx.anchors[k]``,
-  ``GLDP.local[k]``, ``PFCL.memory[k]``, ...). Every built-in method keeps
-  its per-client state this way. An entry of a server-side dict whose key
-  happens to equal ``k`` (a class id) travels too, and comes back unchanged.
-
-Both are pickled together, so objects they share (an Avalanche plugin held
-by a client's strategy and by ``AvalancheBridge.instances[k]``) stay one
+client ``k`` is the :class:`~fedaval.client.Client` object: model,
+optimizer, Avalanche strategy and plugins, evaluator, random streams, and the
+plugins' per-client state in ``client.stash`` (the rule in
+:mod:`fedaval.hookspecs`). It is pickled as one object, so what its parts
+share (an Avalanche plugin held by the strategy and by the stash) stays one
 object. As in :mod:`fedaval.state`, the run's shared objects (the run, its
 data tensors, the plugin objects, the TensorBoard loggers) are written as
 references and resolved against the receiving process's run, built from the
@@ -36,7 +29,7 @@ from fedaval import state
 if TYPE_CHECKING:
     from fedaval.run import Run
 
-__all__ = ["dumps", "loads", "client_entries", "set_client_entries", "drop_client_entries", "plugin_dicts"]
+__all__ = ["dumps", "loads", "plugin_objects"]
 
 
 def plugin_objects(run: Run) -> Iterator[tuple[str, Any]]:
@@ -44,38 +37,6 @@ def plugin_objects(run: Run) -> Iterator[tuple[str, Any]]:
     for name, plugin in run.plugins.objects.items():
         if not isinstance(plugin, ModuleType) and hasattr(plugin, "__dict__"):
             yield name, plugin
-
-
-def plugin_dicts(run: Run) -> Iterator[tuple[str, str, dict]]:
-    """``(plugin name, attribute, dict)`` for every ``dict`` attribute of every plugin object."""
-    for name, plugin in plugin_objects(run):
-        for attr, value in list(vars(plugin).items()):
-            if isinstance(value, dict):
-                yield name, attr, value
-
-
-def client_entries(run: Run, client_id: int) -> dict[str, dict[str, Any]]:
-    """``{plugin: {attribute: value}}``: entry ``client_id`` of each plugin dict that has one."""
-    entries: dict[str, dict[str, Any]] = {}
-    for name, attr, values in plugin_dicts(run):
-        if client_id in values:
-            entries.setdefault(name, {})[attr] = values[client_id]
-    return entries
-
-
-def drop_client_entries(run: Run, client_id: int) -> None:
-    for _, _, values in plugin_dicts(run):
-        values.pop(client_id, None)
-
-
-def set_client_entries(run: Run, client_id: int, entries: dict[str, dict[str, Any]]) -> None:
-    """Make client ``client_id``'s entries exactly ``entries``: the ones not
-    given are removed (a plugin that popped an entry during the round)."""
-    drop_client_entries(run, client_id)
-    for name, attrs in entries.items():
-        plugin = run.plugins.objects[name]
-        for attr, value in attrs.items():
-            getattr(plugin, attr)[client_id] = value
 
 
 def shared_names(run: Run, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -5,8 +5,8 @@ configuration (the in-process backend inside, no run folder): the same
 dataset, partition, schedule and plugins, so the references in a client's
 sent state (:mod:`fedaval.backends.transfer`) resolve to the same things.
 The replica's own clients are dropped once it is built: a worker holds a
-client, and its entries in the plugins' dicts, only while it runs that
-client's round; between rounds the replica's plugins are as built. Plain Python, no Ray here:
+client (with its stash) only while it runs that client's round; the
+replica's plugins stay as built. Plain Python, no Ray here:
 :mod:`fedaval.backends.ray` makes it a Ray actor, and tests drive it directly.
 """
 
@@ -54,21 +54,22 @@ class VacantClient:
         self.strategy = SimpleNamespace(evaluator=SimpleNamespace(loggers=[]))
 
 
-def watch_plugins(run, client_id: int) -> dict[tuple[str, str], Any]:
-    """What of the plugins a client's hooks must leave alone on a worker: each
-    attribute's value (with a copy of a list or set, to see one grow), and
-    for a dict its keys other than ``client_id``."""
+def watch_plugins(run) -> dict[tuple[str, str], Any]:
+    """What of the plugins a client's hooks must leave alone (the rule in
+    :mod:`fedaval.hookspecs`: per-client state lives in ``client.stash``):
+    each attribute's value, with the identities of a container's items, to
+    see one grow or change."""
     seen: dict[tuple[str, str], Any] = {}
     for name, plugin in transfer.plugin_objects(run):
         if plugin is run.timer:
             continue
         for attr, value in vars(plugin).items():
             if isinstance(value, dict):
-                seen[(name, attr)] = ("dict", set(value) - {client_id})
+                seen[(name, attr)] = (value, {k: id(v) for k, v in value.items()})
             elif isinstance(value, (list, set)):
-                seen[(name, attr)] = ("value", (value, type(value)(value)))
+                seen[(name, attr)] = (value, [id(v) for v in value])
             else:
-                seen[(name, attr)] = ("value", (value, None))
+                seen[(name, attr)] = (value, None)
     return seen
 
 
@@ -83,28 +84,21 @@ def _same(a: Any, b: Any) -> bool:
 
 def unsynced_change(run, client_id: int, before: dict[tuple[str, str], Any]) -> str | None:
     """One line naming a plugin attribute that client ``client_id``'s round
-    changed outside its own entries, or ``None``.
+    changed, or ``None``.
 
-    Only the client and its entries in the plugins' dicts go back to the
-    driver; a change anywhere else would be lost, and the run would silently
-    differ from the in-process backend, so the backend stops the run instead."""
-    after = watch_plugins(run, client_id)
+    Only the client (with its stash) goes back to the driver; a change to a
+    plugin's own attributes would be lost, and the run would silently differ
+    from the in-process backend, so the backend stops the run instead."""
+    after = watch_plugins(run)
     for key in sorted(before.keys() | after.keys()):
         old, new = before.get(key), after.get(key)
-        if old is not None and new is not None and old[0] == new[0]:
-            if old[0] == "dict" and old[1] == new[1]:
-                continue
-            if old[0] == "value" and _same(old[1][0], new[1][0]) and (old[1][1] is None or _same(old[1][1], new[1][0])):
-                continue
+        if old is not None and new is not None and _same(old[0], new[0]) and old[1] == new[1]:
+            continue
         name, attr = key
-        if old is not None and new is not None and old[0] == "dict" == new[0]:
-            what = f"entries other than client {client_id}'s in its dict {attr!r}"
-        else:
-            what = f"its attribute {attr!r}"
         return (
-            f"--backend ray: plugin {name!r} changed {what} during client {client_id}'s round; a Ray worker "
-            f"sends back only the client and its entries (key {client_id}) in the plugins' dicts, so this "
-            "method would give other results than --backend local; run it with --backend local"
+            f"--backend ray: plugin {name!r} changed its attribute {attr!r} during client {client_id}'s round; "
+            "a Ray worker sends back only the client, so per-client state belongs in client.stash "
+            "(see fedaval/hookspecs.py); run this method with --backend local"
         )
     return None
 
@@ -162,29 +156,27 @@ class Worker:
 
     def train(self, client_id: int, client_state: bytes, download_key: Any, download: bytes, round: int, task: int) -> bytes:
         """Run round ``round`` of client ``client_id`` from ``client_state``
-        (:func:`fedaval.backends.transfer.dumps` of ``{"client", "entries"}``
-        on the driver); return the same, after the round, with its
+        (:func:`fedaval.backends.transfer.dumps` of ``{"client", "extra"}``
+        on the driver: the client and its own download entries); return the
+        client after the round, with its
         :class:`ClientRound`, its local-training seconds, what its loggers
         recorded and ``problem`` (see :func:`unsynced_change`)."""
         run = self.run
-        run.round, run.task = round, task
+        run.enter_round(round)
         broadcast = self.download(download_key, download)
         sent = self._loads(client_state)
         client = sent["client"]
         run.clients[client_id] = client
-        own = transfer.client_entries(run, client_id)  # the replica's, put back after the round
-        transfer.set_client_entries(run, client_id, sent["entries"])
-        before = watch_plugins(run, client_id)
+        before = watch_plugins(run)
         run.timer.seconds = 0.0
         try:
-            result = client_round(run, client, broadcast, round)
+            result = client_round(run, client, broadcast, round, sent.get("extra"))
             if result.error is not None:
                 text = "".join(traceback.format_exception(result.error)).rstrip()
                 result.error = RemoteClientError(f"on Ray worker {socket.gethostname()}:{os.getpid()}:\n{text}")
             back = {
                 "round": result,
                 "client": client,
-                "entries": transfer.client_entries(run, client_id),
                 "seconds": run.timer.seconds,
                 "logs": {name: logger.take() for name, logger in self.stand_ins.items() if logger.records},
                 "problem": unsynced_change(run, client_id, before),
@@ -195,5 +187,4 @@ class Worker:
                 problem = f"--backend ray: client {client_id}'s state cannot be sent back from its worker: {exc}"
                 return transfer.dumps(run, {"round": ClientRound(client_id, failure=problem), "problem": problem})
         finally:
-            transfer.set_client_entries(run, client_id, own)
             run.clients[client_id] = VacantClient(client_id)

@@ -19,16 +19,21 @@ Readings chosen:
 
 * ``v_i`` starts as the client's model at its first round (the global
   initialisation); it and ``alpha_i`` live for the whole run, across tasks.
-* The personal step runs inside ``fedaval_local_loss`` (one per minibatch,
+* The personal step runs inside ``fedaval_client_loss`` (one per minibatch,
   with its own gradient computed on the personal variables only, ``w_i``
   detached), so ``w_i``'s step is exactly FedAvg's; the personal loss is
   returned as the detached term ``apfl_personal`` so that it is logged (it
   adds no gradient to ``w_i``).
 * ``eta`` is the run's ``--lr``; ``eta_alpha`` is ``alpha_lr`` (default: ``--lr``).
+  The step is taken there, not in ``fedaval_client_step``, because
+  Algorithm 1 takes both steps from the same point: after the optimizer
+  step ``w_i`` has already moved.
 * BatchNorm running statistics of the mixture are the personal model's own.
 * Evaluation swaps the mixture into the client's model for the duration of
-  the client's Avalanche ``eval`` (an Avalanche plugin attached through
-  ``fedaval_avalanche_plugins``) and restores ``w_i`` afterwards.
+  the client's evaluation (a ``wrapper=True`` ``fedaval_client_evaluate``)
+  and restores ``w_i`` afterwards.
+* ``v_i`` and ``alpha_i`` live in ``client.stash``; the round metric
+  ``apfl_mean_alpha`` is the mean ``alpha_i`` of the clients sampled that round.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ from typing import Optional
 from fedaval import hookimpl
 from fedaval.options import option, unit_interval
 from fedaval.plugin import Plugin
+from fedaval.stash import StashKey
+
+PERSONAL = StashKey[tuple]("apfl.personal")  # (parameters, buffers) of v_i
+ALPHA = StashKey[float]("apfl.alpha")
 
 
 def mix(v, w, alpha):
@@ -90,27 +99,22 @@ class APFL(Plugin):
         alpha_lr: Optional[float] = option(None, "step size of alpha (None: the run's --lr)",
                                            lambda v: None if v is None or v > 0 else "must be > 0")
 
-    def __init__(self, options=None):
-        super().__init__(options)
-        self.personal: dict = {}  # client id -> (parameters, buffers) of v
-        self.alphas: dict[int, float] = {}
-
     def _personal(self, client):
-        if client.id not in self.personal:
+        if PERSONAL not in client.stash:
             params = {n: p.detach().clone().requires_grad_(True) for n, p in client.model.named_parameters()}
             buffers = {n: b.detach().clone() for n, b in client.model.named_buffers()}
-            self.personal[client.id] = (params, buffers)
-            self.alphas[client.id] = self.options.alpha
-        return self.personal[client.id]
+            client.stash[PERSONAL] = (params, buffers)
+            client.stash[ALPHA] = self.options.alpha
+        return client.stash[PERSONAL]
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         import torch.nn.functional as F
 
         params, buffers = self._personal(client)
         lr = run.config.lr
-        loss, self.alphas[client.id] = personal_step(
-            client.model, params, buffers, self.alphas[client.id], batch.x, batch.y, F.cross_entropy,
+        loss, client.stash[ALPHA] = personal_step(
+            client.model, params, buffers, client.stash[ALPHA], batch.x, batch.y, F.cross_entropy,
             lr=lr, alpha_lr=self.options.alpha_lr or lr, adaptive=self.options.adaptive,
         )
         return {"apfl_personal": loss}
@@ -118,41 +122,28 @@ class APFL(Plugin):
     def personalised_state(self, client) -> dict:
         """The mixture's state_dict for ``client`` (its shared model if it has no personal one yet)."""
         state = {k: v.detach().clone() for k, v in client.model.state_dict().items()}
-        if client.id not in self.personal:
+        if PERSONAL not in client.stash:
             return state
-        params, buffers = self.personal[client.id]
+        params, buffers = client.stash[PERSONAL]
         w = {name: state[name] for name in params}
-        state.update({k: t.detach() for k, t in mix(params, w, self.alphas[client.id]).items()})
+        state.update({k: t.detach() for k, t in mix(params, w, client.stash[ALPHA]).items()})
         state.update({k: b.detach().clone() for k, b in buffers.items()})
         return state
 
-    @hookimpl
-    def fedaval_avalanche_plugins(self, run, client):
-        return [_MixtureForEvaluation(self, client)]
+    @hookimpl(wrapper=True)
+    def fedaval_client_evaluate(self, run, client):
+        """The mixture in the client's model while it is evaluated, then ``w`` back."""
+        model = client.model
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(self.personalised_state(client))
+        try:
+            return (yield)
+        finally:
+            model.load_state_dict(saved)
 
     @hookimpl
     def fedaval_round_metrics(self, run, round):
-        if not self.alphas:
+        alphas = [run.clients[k].stash[ALPHA] for k in run.schedule[round - 1] if ALPHA in run.clients[k].stash]
+        if not alphas:
             return None
-        return {"apfl_mean_alpha": sum(self.alphas.values()) / len(self.alphas)}
-
-
-class _MixtureForEvaluation:
-    """An Avalanche plugin (duck-typed: Avalanche calls any ``before_eval`` /
-    ``after_eval`` attribute) that puts the APFL mixture into ``client``'s
-    model for the duration of its evaluation, then restores ``w``."""
-
-    def __init__(self, apfl: APFL, client):
-        self.apfl = apfl
-        self.client = client
-        self.saved = None
-
-    def before_eval(self, strategy, **kwargs):
-        model = self.client.model
-        self.saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        model.load_state_dict(self.apfl.personalised_state(self.client))
-
-    def after_eval(self, strategy, **kwargs):
-        if self.saved is not None:
-            self.client.model.load_state_dict(self.saved)
-            self.saved = None
+        return {"apfl_mean_alpha": sum(alphas) / len(alphas)}

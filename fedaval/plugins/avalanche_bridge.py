@@ -1,7 +1,7 @@
 """Avalanche's own continual-learning plugins, attached to every client.
 
 Each client gets one fresh instance of an Avalanche training plugin (through
-``fedaval_avalanche_plugins``), next to FedAvg's averaging. Because
+``fedaval_client_avalanche_plugins``), next to FedAvg's averaging. Because
 :class:`fedaval.strategy.FederatedStrategy` runs Avalanche's
 ``before_training_exp`` only in a client's first round of a task and
 ``after_training_exp`` only in its last, each plugin sees one experience per
@@ -43,6 +43,7 @@ from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
 from fedaval.options import non_negative, option, positive
 from fedaval.plugin import Plugin
+from fedaval.stash import StashKey
 
 AVALANCHE_PLUGINS_MODULE = "avalanche.training.plugins"
 
@@ -52,22 +53,26 @@ class AvalancheBridge(Plugin):
 
     Subclasses set ``avalanche_class`` (a name in ``avalanche.training.plugins``)
     and may override :meth:`avalanche_kwargs` (default: every option, by name).
-    ``instances`` maps a client id to its Avalanche plugin."""
+    :meth:`instance` is a client's Avalanche plugin (kept in ``client.stash``)."""
 
     avalanche_class: ClassVar[str] = ""
 
-    def __init__(self, options: Any = None):
-        super().__init__(options)
-        self.instances: dict[int, Any] = {}
+    @property
+    def stash_key(self) -> StashKey[Any]:
+        return StashKey(f"{self.name}.{self.avalanche_class}")
+
+    def instance(self, client) -> Any:
+        """``client``'s instance of the Avalanche plugin."""
+        return client.stash[self.stash_key]
 
     def avalanche_kwargs(self) -> dict[str, Any]:
         return dataclasses.asdict(self.options) if self.options is not None else {}
 
     @hookimpl
-    def fedaval_avalanche_plugins(self, run, client):
+    def fedaval_client_avalanche_plugins(self, run, client):
         cls = load_avalanche_class(self.avalanche_class)
         plugin = cls(**self.avalanche_kwargs())
-        self.instances[client.id] = plugin
+        client.stash[self.stash_key] = plugin
         return [plugin]
 
 

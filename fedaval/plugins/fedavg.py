@@ -48,7 +48,7 @@ class FedAvg(Plugin):
         return {"weights": client.shared_state()}
 
     @hookimpl(trylast=True)
-    def fedaval_fuse_weights(self, run, uploads, global_weights):
+    def fedaval_server_fuse_weights(self, run, uploads, global_weights):
         with_weights = [u for u in uploads if u.get("weights")]
         if not with_weights:
             return None

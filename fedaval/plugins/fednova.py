@@ -12,9 +12,9 @@ ends at ``x_k``. Its normalised update is ``d_k = (x - x_k) / ||a_k||_1``
 
 Readings chosen:
 
-* ``tau_k`` is counted as the number of ``fedaval_local_loss`` calls of the
-  client in this round (one per optimizer step), reset when the client
-  receives the broadcast, and uploaded as ``"fednova_steps"``.
+* ``tau_k`` is the number of optimizer steps the client took this round
+  (``fedaval_client_step`` calls), reset when the client receives the
+  broadcast, kept in ``client.stash`` and uploaded as ``"fednova_steps"``.
 * ``momentum`` is the run's ``--momentum`` (0 by default: plain SGD).
 * Only trainable parameters are normalised; other shared floating-point
   entries (BatchNorm running statistics) are not moved by gradient steps and
@@ -27,6 +27,9 @@ from __future__ import annotations
 from fedaval import hookimpl
 from fedaval.plugin import Plugin
 from fedaval.plugins.fedavg import weighted_average
+from fedaval.stash import StashKey
+
+STEPS = StashKey[int]("fednova.steps")
 
 
 def local_step_norm(tau: int, momentum: float = 0.0) -> float:
@@ -64,25 +67,20 @@ class FedNova(Plugin):
     name = "fednova"
     description = "FedNova: each client's update divided by its local steps, rescaled by tau_eff (normalised averaging)"
 
-    def __init__(self, options=None):
-        super().__init__(options)
-        self.steps: dict[int, int] = {}  # client id -> optimizer steps this round
-
     @hookimpl
     def fedaval_client_receive(self, run, client, download):
-        self.steps[client.id] = 0
+        client.stash[STEPS] = 0
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
-        self.steps[client.id] = self.steps.get(client.id, 0) + 1
-        return None
+    def fedaval_client_step(self, run, client, batch):
+        client.stash[STEPS] = client.stash.get(STEPS, 0) + 1
 
     @hookimpl
     def fedaval_client_upload(self, run, client):
-        return {"fednova_steps": self.steps.get(client.id, 0)}
+        return {"fednova_steps": client.stash.get(STEPS, 0)}
 
     @hookimpl
-    def fedaval_fuse_weights(self, run, uploads, global_weights):
+    def fedaval_server_fuse_weights(self, run, uploads, global_weights):
         used = [u for u in uploads if u.get("weights") and u.get("fednova_steps", 0) > 0 and u.num_samples > 0]
         if not used:
             return None

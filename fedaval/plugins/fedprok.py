@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 from fedaval import hookimpl
 from fedaval.options import non_negative, option, unit_interval
 from fedaval.plugin import Plugin
+from fedaval.stash import StashKey
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -73,6 +74,8 @@ if TYPE_CHECKING:  # pragma: no cover
 DOWNLOAD_KEY = "fedprok_prototypes"
 UPLOAD_KEY = "fedprok_prototypes"
 COUNTS_KEY = "fedprok_counts"
+LIBRARY = StashKey[dict]("fedprok.library")  # class -> prototype: the client's prototype list
+CURRENT = StashKey[dict]("fedprok.current")  # class -> (prototype, count) of the current task
 
 
 # ---------------------------------------------------------------------------
@@ -82,12 +85,11 @@ COUNTS_KEY = "fedprok_counts"
 
 def class_prototypes(features: torch.Tensor, labels: torch.Tensor) -> dict[int, tuple[torch.Tensor, int]]:
     """FedProK Eq. 5: ``{c: (mean of the features of class c, count)}`` for
-    every class present in ``labels``."""
-    out = {}
-    for c in sorted(int(v) for v in labels.unique()):
-        mask = labels == c
-        out[c] = (features[mask].mean(dim=0), int(mask.sum()))
-    return out
+    every class present in ``labels`` (:func:`fedaval.prototypes.class_means`)."""
+    from fedaval.prototypes import class_means
+
+    means, counts = class_means(features, labels)
+    return {c: (means[c], counts[c]) for c in sorted(means)}
 
 
 def nearest_classes(old_protos: torch.Tensor, new_protos: torch.Tensor) -> torch.Tensor:
@@ -195,11 +197,12 @@ class FedProK(Plugin):
     """Client: prototypes, frozen extractor, translated pseudo features of old
     classes. Server: count-weighted prototype fusion with EMA for known classes.
 
-    State: ``library[k]`` client ``k``'s prototype list (class -> prototype,
-    overwritten by the global list on receive), ``current[k]`` its current-task
-    prototypes and counts (class -> (prototype, count)), ``global_prototypes``
-    the server's knowledge base, ``anchor`` the global list as it was when the
-    current task began, ``anchor_task`` that task."""
+    State: in each client's stash, ``LIBRARY`` its prototype list (class ->
+    prototype, overwritten by the global list on receive) and ``CURRENT`` its
+    current-task prototypes and counts (class -> (prototype, count)); on the
+    plugin (the server), ``global_prototypes`` the knowledge base and
+    ``anchor`` the global list as it was when the current task began (set in
+    ``fedaval_server_task_start``)."""
 
     name = "fedprok"
     description = "FedProK: feature translation of old classes from prototypes + server prototype fusion"
@@ -207,18 +210,15 @@ class FedProK(Plugin):
 
     def __init__(self, options: Any = None):
         super().__init__(options)
-        self.library: dict[int, dict[int, Any]] = {}
-        self.current: dict[int, dict[int, tuple[Any, int]]] = {}
         self.global_prototypes: dict[int, Any] = {}
         self.anchor: dict[int, Any] = {}
-        self.anchor_task = -1
 
     # --- client -----------------------------------------------------------
     @hookimpl
     def fedaval_client_receive(self, run, client, download):
         fused = download.get(DOWNLOAD_KEY)
         if self.options.fusion and fused:
-            library = self.library.setdefault(client.id, {})
+            library = client.stash.setdefault(LIBRARY, dict)
             for c, mu in fused.items():
                 library[int(c)] = mu.detach().clone().to(run.device)
 
@@ -226,44 +226,32 @@ class FedProK(Plugin):
         return self.options.freeze and client.task >= 1
 
     @hookimpl
-    def fedaval_local_epoch_start(self, run, client, epoch):
+    def fedaval_client_epoch_start(self, run, client, epoch):
         if self.frozen(client):
             for p in client.model.features.parameters():
                 p.requires_grad_(False)
             client.model.features.eval()
         if epoch == 0:
-            self.current[client.id] = self.compute_prototypes(run, client)
+            client.stash[CURRENT] = self.compute_prototypes(run, client)
 
     def compute_prototypes(self, run, client) -> dict[int, tuple[Any, int]]:
         """Eq. 5 on the client's current-task training data, extractor in eval
         mode (reading 2); the model's train/eval modes are restored."""
-        import torch
-        from torch.utils.data import DataLoader
+        from fedaval.prototypes import extract_features
 
         exp = client.train_stream[client.task]
         if exp is None:
             return {}
-        model = client.model
-        modes = [(m, m.training) for m in model.modules()]
-        model.eval()
-        feats, labels = [], []
-        with torch.no_grad():
-            for batch in DataLoader(exp.dataset, batch_size=256, shuffle=False):
-                x, y = batch[0].to(run.device), batch[1].to(run.device)
-                feats.append(model.features(x))
-                labels.append(y)
-        for m, mode in modes:
-            m.train(mode)
-        return class_prototypes(torch.cat(feats), torch.cat(labels))
+        return class_prototypes(*extract_features(client.model, exp.dataset, run.device))
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         if not self.options.translation or client.task < 1:
             return None
         import torch
 
-        current = self.current.get(client.id) or {}
-        library = self.library.get(client.id) or {}
+        current = client.stash.get(CURRENT) or {}
+        library = client.stash.get(LIBRARY) or {}
         old = [c for c in sorted(library) if c not in current]
         if not old or not current:
             return None
@@ -283,8 +271,8 @@ class FedProK(Plugin):
 
     @hookimpl
     def fedaval_client_upload(self, run, client):
-        current = self.current.get(client.id) or {}
-        library = self.library.setdefault(client.id, {})
+        current = client.stash.get(CURRENT) or {}
+        library = client.stash.setdefault(LIBRARY, dict)
         for c, (mu, _) in current.items():
             library[c] = mu
         if not self.options.fusion or not current:
@@ -296,12 +284,14 @@ class FedProK(Plugin):
 
     # --- server -----------------------------------------------------------
     @hookimpl
+    def fedaval_server_task_start(self, run, task):
+        """Eq. 9's ``mu_c^{t-1}``: the global list as the task begins (reading 4)."""
+        self.anchor = dict(self.global_prototypes)
+
+    @hookimpl
     def fedaval_server_fuse(self, run, uploads, round):
         if not self.options.fusion:
             return None
-        if run.task != self.anchor_task:
-            self.anchor = dict(self.global_prototypes)
-            self.anchor_task = run.task
         pairs = [(u.get(UPLOAD_KEY), u.get(COUNTS_KEY) or {}) for u in uploads if u.get(UPLOAD_KEY)]
         self.global_prototypes.update(fuse_prototypes(pairs, self.anchor, self.options.beta))
         if not self.global_prototypes:

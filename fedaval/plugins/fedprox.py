@@ -3,7 +3,7 @@ the global model.
 
 Each client minimises ``F_k(w) + mu/2 * ||w - w^t||^2`` (Li et al. 2020,
 Eq. 2), where ``w^t`` is the global model received this round. The term is a
-``fedaval_local_loss`` term, computed over the client's *shared* parameters
+``fedaval_client_loss`` term, computed over the client's *shared* parameters
 (the weights it received; a local head is not pulled anywhere). Fusion is
 FedAvg's, unchanged.
 """
@@ -15,6 +15,9 @@ import dataclasses
 from fedaval import hookimpl
 from fedaval.options import non_negative, option
 from fedaval.plugin import Plugin
+from fedaval.stash import StashKey
+
+ANCHOR = StashKey[dict]("fedprox.anchor")  # {parameter name: global value this round}
 
 
 def proximal_term(params, anchor, mu: float):
@@ -42,23 +45,19 @@ class FedProx(Plugin):
     class Options:
         mu: float = option(0.01, "weight of the proximal term (Li et al. try 0.001..1)", non_negative)
 
-    def __init__(self, options=None):
-        super().__init__(options)
-        self.anchors: dict = {}  # client id -> {parameter name: global value this round}
-
     @hookimpl
     def fedaval_client_receive(self, run, client, download):
         weights = download.get("weights") or {}
         names = {name for name, _ in client.model.named_parameters()}
-        self.anchors[client.id] = {
+        client.stash[ANCHOR] = {
             key: value.detach().clone().to(run.device)
             for key, value in weights.items()
             if key in names and key in client.shared_keys
         }
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
-        anchor = self.anchors.get(client.id)
+    def fedaval_client_loss(self, run, client, batch):
+        anchor = client.stash.get(ANCHOR)
         if not anchor:
             return None
         params = dict(client.model.named_parameters())
@@ -66,5 +65,5 @@ class FedProx(Plugin):
 
     @hookimpl
     def fedaval_client_upload(self, run, client):
-        self.anchors.pop(client.id, None)  # only needed during the round
+        client.stash.pop(ANCHOR, None)  # only needed during the round
         return None

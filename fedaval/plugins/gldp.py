@@ -43,9 +43,21 @@ from fedaval import hookimpl
 from fedaval.options import option, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.plugins.personal import PersonalHead, resolve_phases
-from fedaval.prototypes import PrototypeSet, class_means, ema_update, mean_over_holders, nearest_prototype_scores
+from fedaval.prototypes import (
+    PrototypeSet,
+    class_means,
+    ema_update,
+    extract_features,
+    mean_over_holders,
+    nearest_prototype_scores,
+)
+from fedaval.stash import StashKey
 
 ENTRY = "gldp_prototypes"
+LOCAL = StashKey[PrototypeSet]("gldp.local")  # C^_i: consolidated local set (earlier task ends)
+RECEIVED = StashKey[PrototypeSet]("gldp.received")  # the global set last received
+WEIGHTS = StashKey[dict]("gldp.weights")  # T_i^n / T_i of the current task
+PENDING = StashKey[PrototypeSet]("gldp.pending")  # C_i of a task just ended, to upload
 
 
 def local_relation_loss(current: PrototypeSet, old: PrototypeSet) -> torch.Tensor | None:
@@ -124,10 +136,6 @@ class GLDP(PersonalHead, Plugin):
 
     def __init__(self, options=None):
         super().__init__(options)
-        self.local: dict[int, PrototypeSet] = {}  # C^_i: consolidated local sets (earlier task ends)
-        self.received: dict[int, PrototypeSet] = {}  # the global set each client last received
-        self.weights: dict[int, dict[int, float]] = {}  # T_i^n / T_i of the client's current task
-        self.pending: dict[int, PrototypeSet] = {}  # C_i of a task just ended, to upload
         self.global_previous: PrototypeSet = {}  # C~ after the previous stages
         self.stage_sets: list[PrototypeSet] = []  # uploads of the current stage
         self.global_set: PrototypeSet = {}  # C~ now (what is broadcast)
@@ -145,18 +153,18 @@ class GLDP(PersonalHead, Plugin):
     # --- client --------------------------------------------------------------
     @hookimpl
     def fedaval_client_receive(self, run, client, download):
-        self.received[client.id] = dict(download.get(ENTRY) or {})
+        client.stash[RECEIVED] = dict(download.get(ENTRY) or {})
 
     @hookimpl
-    def fedaval_task_start(self, run, client, task):
-        self.weights[client.id] = class_frequency_weights(run.data.train_y[client.tasks.indices[task]])
+    def fedaval_client_task_start(self, run, client, task):
+        client.stash[WEIGHTS] = class_frequency_weights(run.data.train_y[client.tasks.indices[task]])
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         current, _ = class_means(batch.features, batch.y)
         lam = self.options.lam
-        l_lp = local_relation_loss(current, self.local.get(client.id, {}))
-        l_gp = global_relation_loss(current, self.received.get(client.id, {}), self.weights.get(client.id, {}))
+        l_lp = local_relation_loss(current, client.stash.get(LOCAL, {}))
+        l_gp = global_relation_loss(current, client.stash.get(RECEIVED, {}), client.stash.get(WEIGHTS, {}))
         zero = batch.features.new_zeros(())
         return {
             "gldp_lp": zero if l_lp is None else lam * l_lp,
@@ -164,15 +172,15 @@ class GLDP(PersonalHead, Plugin):
         }
 
     @hookimpl
-    def fedaval_task_end(self, run, client, task):
+    def fedaval_client_task_end(self, run, client, task):
         features, labels = base_features(client.model, client.train_stream[task].dataset, run.device)
         prototypes, _ = class_means(features, labels)
-        self.pending[client.id] = prototypes
-        self.local[client.id] = ema_update(self.local.get(client.id, {}), prototypes, self.options.beta)
+        client.stash[PENDING] = prototypes
+        client.stash[LOCAL] = ema_update(client.stash.get(LOCAL, {}), prototypes, self.options.beta)
 
     @hookimpl
     def fedaval_client_upload(self, run, client):
-        prototypes = self.pending.pop(client.id, None)
+        prototypes = client.stash.pop(PENDING, None)
         return {ENTRY: prototypes} if prototypes else None
 
     # --- server --------------------------------------------------------------
@@ -180,21 +188,25 @@ class GLDP(PersonalHead, Plugin):
     def fedaval_server_fuse(self, run, uploads, round):
         self.stage_sets += [u.get(ENTRY) for u in uploads if u.get(ENTRY)]
         self.global_set = ema_update(self.global_previous, mean_over_holders(self.stage_sets), self.options.beta)
-        if round == run.rounds_of_task(run.task)[-1]:  # the stage ends: its step is final
-            self.global_previous, self.stage_sets = self.global_set, []
         return {ENTRY: self.global_set} if self.global_set else None
 
+    @hookimpl
+    def fedaval_server_task_end(self, run, task):
+        """The stage ends: its moving-average step is final."""
+        self.global_previous, self.stage_sets = self.global_set, []
+
     # --- prediction and evaluation -------------------------------------------
-    def prototypes_for(self, owner: int | None, predict: str) -> PrototypeSet:
-        if owner is None or predict == "global":
+    def prototypes_for(self, client, predict: str) -> PrototypeSet:
+        """The set ``client``'s model predicts with (``None``: the global model)."""
+        if client is None or predict == "global":
             return self.global_set
-        return self.local.get(owner, {})
+        return client.stash.get(LOCAL, {})
 
     @hookimpl
-    def fedaval_classify(self, run, owner, model, features, training):
+    def fedaval_classify(self, run, client, model, features, training):
         if training:
             return None  # CE on the linear head
-        prototypes = self.prototypes_for(owner, self.options.predict)
+        prototypes = self.prototypes_for(client, self.options.predict)
         if not prototypes:
             return None
         return nearest_prototype_scores(features, prototypes, run.num_classes)
@@ -206,7 +218,7 @@ class GLDP(PersonalHead, Plugin):
         recomputed only after it trained again; the prototypes are the latest.
         Computed at the end of each stage only (one more pass over each
         client's test data)."""
-        if round != run.rounds_of_task(run.task)[-1]:
+        if not run.now.task_ends:
             return None
         accs: dict[str, list[float]] = {"global": [], "local": []}
         for client in run.clients:
@@ -221,7 +233,7 @@ class GLDP(PersonalHead, Plugin):
                 cached = self.eval_cache[client.id] = (client.trained_at, torch.cat(feats), torch.cat(labels))
             _, feats, labels = cached
             for predict, values in accs.items():
-                prototypes = self.prototypes_for(client.id, predict)
+                prototypes = self.prototypes_for(client, predict)
                 if prototypes:
                     pred = nearest_prototype_scores(feats, prototypes, run.num_classes).argmax(dim=1)
                     values.append(float((pred == labels).float().mean()))
@@ -229,17 +241,8 @@ class GLDP(PersonalHead, Plugin):
         return {keys[p]: sum(v) / len(v) for p, v in accs.items() if v}
 
 
-@torch.no_grad()
-def base_features(model, dataset, device, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def base_features(model, dataset, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.features`` of every sample of ``dataset`` (eval mode), on the CPU,
     with the labels."""
-    was_training = model.training
-    model.eval()
-    feats, labels = [], []
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    for batch in loader:
-        x, y = batch[0], batch[1]
-        feats.append(model.features(x.to(device)).cpu())
-        labels.append(torch.as_tensor(y))
-    model.train(was_training)
-    return torch.cat(feats), torch.cat(labels)
+    features, labels = extract_features(model, dataset, device)
+    return features.cpu(), labels.cpu()

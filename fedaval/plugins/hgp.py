@@ -45,6 +45,9 @@ from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
 from fedaval.options import non_negative, option, positive
 from fedaval.plugin import Plugin
+from fedaval.stash import StashKey
+
+STATS = StashKey[dict]("hgp.stats")  # class -> ClassGaussian: the client's statistics so far
 
 
 def _at_least_one(value: int) -> str | None:
@@ -98,7 +101,6 @@ class HGP(Plugin):
 
     def __init__(self, options=None):
         super().__init__(options)
-        self.client_stats: dict[int, dict[int, object]] = {}  # client id -> class -> ClassGaussian
         self.memory: dict[int, dict[int, object]] = {}  # server: class -> client id -> ClassGaussian
         self.last_loss: float | None = None
         self._backbone = None
@@ -204,7 +206,7 @@ class HGP(Plugin):
 
         features, labels = client_features(run, client)
         fresh = class_gaussians(features, labels, self.options.covariance)
-        mine = self.client_stats.setdefault(client.id, {})
+        mine = client.stash.setdefault(STATS, dict)
         mine.update(fresh)
         send = mine if self.options.stats_classes == "seen" else fresh
         return {"hgp_gaussians": {c: g.to_payload() for c, g in sorted(send.items())}}

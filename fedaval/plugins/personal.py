@@ -109,15 +109,15 @@ class PersonalHead:
         return personal_shared_keys(model)
 
     @hookimpl
-    def fedaval_fuse_weights(self, run, uploads, global_weights):
+    def fedaval_server_fuse_weights(self, run, uploads, global_weights):
         states = [u.get("weights") for u in uploads if u.get("weights")]
         return uniform_average(states) if states else None
 
     @hookimpl
-    def fedaval_local_epoch_start(self, run, client, epoch):
+    def fedaval_client_epoch_start(self, run, client, epoch):
         set_trainable(client.model, part_of_epoch(epoch, self.phases, self.phase_order))
 
-    @hookimpl(specname="fedaval_task_end", tryfirst=True)
+    @hookimpl(specname="fedaval_client_task_end", tryfirst=True)
     def restore_trainable_at_task_end(self, run, client, task):
         """Everything trainable again once the task's last round is done, so
         end-of-task work (this method's or another plugin's, e.g. importance

@@ -6,18 +6,18 @@ the hook glue.
 What happens, per client and round (the paper's Algorithm 2):
 
 * the training set is the current task's data plus the client's exemplar
-  memory (``fedaval_task_start`` swaps the task's dataloader for one over
-  both, once per task);
+  memory (``fedaval_client_train_data`` adds the memory's indices, once per
+  task, so minibatches stay on the device data path);
 * the linear head is unused: ``fedaval_classify`` scores class k by
   -dis(f(x), p_k)/T over the client's *local* prototype library (Eq. 11), so
   the core's cross-entropy is L_C (Eq. 12) and evaluation is nearest
   prototype (Eq. 3);
-* ``fedaval_local_loss`` adds alpha * L_D (Eqs. 6-8, against the previous
+* ``fedaval_client_loss`` adds alpha * L_D (Eqs. 6-8, against the previous
   task's frozen model) and beta * L_R (Eq. 5, towards the global prototypes);
 * after training the client recomputes its prototypes (Eq. 2) on its data
   plus memory and uploads them - no weights (``fedaval_shared_keys`` is
   ``[]``, so FedAvg's upload is an empty dict);
-* at the end of a task (``fedaval_task_end``) it re-selects the memory by
+* at the end of a task (``fedaval_client_task_end``) it re-selects the memory by
   distance to the class prototypes (Eq. 9) and freezes a copy of the model
   and its prototypes as the next task's distillation teacher.
 
@@ -33,8 +33,13 @@ Readings where the paper is silent:
 * A client classifies over its own local prototypes of the classes it has
   seen (not over other clients' classes); the global library only enters
   through L_R. The server's model is never trained (no weights are averaged);
-  for ``owner=None`` the global library scores the server model's features,
-  so ``global_accuracy`` is not a PFCL figure - ``mean_client_accuracy`` is.
+  for the global model (``client=None``) the global library scores the
+  server model's features, so ``global_accuracy`` is not a PFCL figure -
+  ``mean_client_accuracy`` is.
+* The exemplar memory holds indices into the run's training set (exemplars
+  are real samples of the client's own earlier tasks).
+* Per-client state (local library, received library, memory, teacher) lives
+  in ``client.stash``.
 * L_R uses the minibatch's class means as the differentiable local
   prototypes (see :func:`~fedaval.plugins.pfcl_math.prototype_regulariser`).
 * Prototypes are computed with the model in eval mode (BatchNorm running
@@ -46,30 +51,24 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
 from fedaval.options import non_negative, option, positive
 from fedaval.plugin import Plugin
+from fedaval.stash import StashKey
 
 
 def _at_least_one(value: int) -> str | None:
     return None if value >= 1 else "must be >= 1"
 
 
-class _MemoryDataset:
-    """Exemplars as a map-style dataset yielding ``(x, y, task_label=0)``,
-    the shape of Avalanche's samples."""
-
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i], 0
+LOCAL = StashKey[dict]("pfcl.local")  # {class: local prototype}
+RECEIVED = StashKey[dict]("pfcl.received")  # the global library last received
+MEMORY = StashKey[Any]("pfcl.memory")  # exemplars: indices into the run's training set
+TEACHER = StashKey[tuple]("pfcl.teacher")  # (frozen model, {class: its prototype})
+FRESH = StashKey[int]("pfcl.fresh")  # round whose prototypes are in LOCAL
 
 
 class PFCL(Plugin):
@@ -97,11 +96,6 @@ class PFCL(Plugin):
     def __init__(self, options=None):
         super().__init__(options)
         self.library: dict = {}  # server: class -> global prototype
-        self.local: dict = {}  # client id -> {class: local prototype}
-        self.received: dict = {}  # client id -> global library last received
-        self.memory: dict = {}  # client id -> (x, y) exemplars
-        self.teacher: dict = {}  # client id -> (frozen model, {class: its prototype})
-        self._fresh: dict = {}  # client id -> round whose prototypes are in self.local
 
     # --- set-up ---------------------------------------------------------------
     @hookimpl
@@ -144,84 +138,79 @@ class PFCL(Plugin):
     @hookimpl
     def fedaval_client_receive(self, run, client, download):
         if "prototypes" in download:
-            self.received[client.id] = {c: p.to(run.device) for c, p in download["prototypes"].items()}
+            client.stash[RECEIVED] = {c: p.to(run.device) for c, p in download["prototypes"].items()}
 
     @hookimpl
-    def fedaval_task_start(self, run, client, task):
-        """Train on task data plus memory; give the task's classes prototypes."""
-        from torch.utils.data import ConcatDataset, DataLoader
-
-        strategy = client.strategy
-        if client.id in self.memory:
-            strategy.dataloader = DataLoader(
-                ConcatDataset([strategy.adapted_dataset, _MemoryDataset(*self.memory[client.id])]),
-                batch_size=strategy.train_mb_size,
-                shuffle=True,
-            )
-        self.local.setdefault(client.id, {}).update(self._prototypes(run, client, task))
+    def fedaval_client_train_data(self, run, client, task):
+        """Algorithm 2: the task's data plus the exemplar memory."""
+        return client.stash.get(MEMORY)
 
     @hookimpl
-    def fedaval_classify(self, run, owner, model, features, training):
+    def fedaval_client_task_start(self, run, client, task):
+        """Give the task's classes (and the memory's) prototypes before the first minibatch."""
+        client.stash.setdefault(LOCAL, dict).update(self._prototypes(run, client, task))
+
+    @hookimpl
+    def fedaval_classify(self, run, client, model, features, training):
         from fedaval.plugins.pfcl_math import library_logits
 
-        library = self.library if owner is None else self.local.get(owner, {})
+        library = self.library if client is None else client.stash.get(LOCAL, {})
         return library_logits(features, library, run.num_classes, self.options.classifier_temperature)
 
     @hookimpl
-    def fedaval_local_loss(self, run, client, batch):
+    def fedaval_client_loss(self, run, client, batch):
         import torch
 
         from fedaval.plugins.pfcl_math import distillation_loss, prototype_regulariser, stack_library
 
         terms = {}
-        teacher = self.teacher.get(client.id)
+        teacher = client.stash.get(TEACHER)
         if self.options.alpha > 0 and teacher is not None:
             model, old = teacher
             classes, teacher_protos = stack_library(old)
-            local = self.local[client.id]
+            local = client.stash[LOCAL]
             student_protos = torch.stack([local[c] for c in classes])
             with torch.no_grad():
                 teacher_features = model.features(batch.x)
             terms["pfcl_distillation"] = self.options.alpha * distillation_loss(
                 batch.features, student_protos, teacher_features, teacher_protos, self.options.temperature
             )
-        received = self.received.get(client.id)
+        received = client.stash.get(RECEIVED)
         if self.options.beta > 0 and received:
             terms["pfcl_prototype"] = self.options.beta * prototype_regulariser(batch.features, batch.y, received)
         return terms
 
     @hookimpl
-    def fedaval_task_end(self, run, client, task):
+    def fedaval_client_task_end(self, run, client, task):
         """Algorithm 2, lines 9-12: prototypes, then memory by Eq. (9), then
         freeze the teacher."""
         from fedaval.plugins.pfcl_math import memory_quota, select_exemplars
 
-        x, y, features = self._features(run, client, task)
+        indices, y, features = self._features(run, client, task)
         self._set_local(run, client, features, y)
-        library = self.local[client.id]
+        library = client.stash[LOCAL]
         quota = memory_quota(
             self.options.memory, len(library), self.options.memory_per_class, self.options.memory_size
         )
         keep = select_exemplars(features, y, library, quota)
         if len(keep):
-            keep = keep.cpu()
-            self.memory[client.id] = (x[keep], y.cpu()[keep])
+            client.stash[MEMORY] = indices[keep.cpu().numpy()]
         else:
-            self.memory.pop(client.id, None)
+            client.stash.pop(MEMORY, None)
         frozen = copy.deepcopy(client.model).eval()
         for p in frozen.parameters():
             p.requires_grad_(False)
-        self.teacher[client.id] = (frozen, {c: p.clone() for c, p in library.items()})
+        client.stash[TEACHER] = (frozen, {c: p.clone() for c, p in library.items()})
 
     # --- upload and fusion ------------------------------------------------------
     @hookimpl
     def fedaval_client_upload(self, run, client):
         """Algorithm 2, line 8: the local prototypes (Eq. 2) of every class the
         client has learned, recomputed on its task data plus memory."""
-        if self._fresh.get(client.id) != run.round:
-            self.local.setdefault(client.id, {}).update(self._prototypes(run, client, client.task))
-            self._fresh[client.id] = run.round
-        return {"prototypes": {c: p.detach().clone() for c, p in self.local[client.id].items()}}
+        if client.stash.get(FRESH) != run.round:
+            client.stash.setdefault(LOCAL, dict).update(self._prototypes(run, client, client.task))
+            client.stash[FRESH] = run.round
+        return {"prototypes": {c: p.detach().clone() for c, p in client.stash[LOCAL].items()}}
 
     @hookimpl
     def fedaval_server_fuse(self, run, uploads, round):
@@ -237,24 +226,19 @@ class PFCL(Plugin):
 
     # --- helpers ------------------------------------------------------------------
     def _features(self, run, client, task):
-        """Images, labels and eval-mode features of the task's data plus memory."""
-        import torch
-        from torch.utils.data import ConcatDataset, DataLoader
+        """Training-set indices, labels and eval-mode features of the task's
+        data plus memory."""
+        import numpy as np
 
-        datasets = [client.train_stream[task].dataset]
-        if client.id in self.memory:
-            datasets.append(_MemoryDataset(*self.memory[client.id]))
-        model = client.model
-        was_training = model.training
-        model.eval()
-        xs, ys, fs = [], [], []
-        with torch.no_grad():
-            for x, y, *_ in DataLoader(ConcatDataset(datasets), batch_size=256):
-                xs.append(x)
-                ys.append(y)
-                fs.append(model.features(x.to(run.device)))
-        model.train(was_training)
-        return torch.cat(xs), torch.cat(ys).to(run.device), torch.cat(fs)
+        from fedaval.prototypes import extract_features
+        from fedaval.streams import make_dataset
+
+        memory = client.stash.get(MEMORY)
+        indices = np.asarray(client.tasks.indices[task], dtype=np.int64)
+        if memory is not None:
+            indices = np.concatenate([indices, memory])
+        features, y = extract_features(client.model, make_dataset(run.data, "train", indices), run.device)
+        return indices, y, features
 
     def _prototypes(self, run, client, task):
         from fedaval.plugins.pfcl_math import class_means
@@ -265,5 +249,5 @@ class PFCL(Plugin):
     def _set_local(self, run, client, features, y):
         from fedaval.plugins.pfcl_math import class_means
 
-        self.local.setdefault(client.id, {}).update(class_means(features, y))
-        self._fresh[client.id] = run.round
+        client.stash.setdefault(LOCAL, dict).update(class_means(features, y))
+        client.stash[FRESH] = run.round
