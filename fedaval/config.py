@@ -12,6 +12,9 @@ FAILURE_POLICIES = ("drop", "fail")
 DATA_PATHS = ("auto", "device", "loader")
 OFFLOAD_POLICIES = ("auto", "none", "cpu", "disk")
 BACKENDS = ("local", "ray")
+OPTIMIZER_STATES = ("reset", "keep")
+LR_SCHEDULES = ("constant", "cosine", "exp")
+AUGMENTS = ("auto", "none", "standard")
 
 
 @dataclass
@@ -34,6 +37,10 @@ class RunConfig:
     lr: float = 0.01
     momentum: float = 0.0
     weight_decay: float = 1e-4
+    optimizer_state: str = "reset"
+    lr_schedule: str = "constant"
+    lr_min: float = 1e-4
+    augment: str = "auto"
     eval_every: int = 1
     utility_lambda: float = 0.5
     device: str = "auto"
@@ -69,6 +76,12 @@ class RunConfig:
              "one of " + ", ".join(OFFLOAD_POLICIES)),
             ("--backend", self.backend, self.backend in BACKENDS, "one of " + ", ".join(BACKENDS)),
             ("--client-gpus", self.client_gpus, 0 <= self.client_gpus, ">= 0 (a fraction of one GPU per client)"),
+            ("--optimizer-state", self.optimizer_state, self.optimizer_state in OPTIMIZER_STATES,
+             "one of " + ", ".join(OPTIMIZER_STATES)),
+            ("--lr-schedule", self.lr_schedule, self.lr_schedule in LR_SCHEDULES, "one of " + ", ".join(LR_SCHEDULES)),
+            ("--augment", self.augment, self.augment in AUGMENTS, "one of " + ", ".join(AUGMENTS)),
+            ("--lr-min", self.lr_min, self.lr_schedule == "constant" or 0 < self.lr_min <= self.lr,
+             f"in (0, --lr {self.lr}] for --lr-schedule {self.lr_schedule}"),
         ]
         for flag, value, ok, allowed in checks:
             if not ok:

@@ -24,6 +24,7 @@ from fedaval.scenarios import get_scenario
 from fedaval.scenarios.partition import Partition
 from fedaval.server import Server
 from fedaval.streams import new_classes
+from fedaval.training import black, resolve_augment
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,6 +115,8 @@ class Run:
         seed_everything(config.seed)
         self.data: ImageData = load_dataset(config.dataset, config.data_root, config.download)
         self.num_classes = self.data.num_classes
+        self.augment = config.augment = resolve_augment(config.augment, self.data)
+        self.black = black(self.data)  # the normalised black pixel: augmentation's padding
         rng = np.random.default_rng(config.seed)
         self.partition: Partition = spec.build(self.scenario_options, self.data.train_y.numpy(), self.num_classes, rng)
         self.num_tasks = self.partition.num_tasks

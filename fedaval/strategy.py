@@ -75,6 +75,26 @@ class FederatedStrategy(SupervisedTemplate):
         )
         return self.model.classifier(features) if logits is None else logits
 
+    def _before_training(self, **kwargs):
+        """The round's optimizer policy and learning rate (:mod:`fedaval.training`)."""
+        if self.client is not None:
+            from fedaval.training import round_lr
+
+            run = self.run
+            if run.config.optimizer_state == "reset":
+                self.optimizer.state.clear()  # no momentum carried over from the last round's weights
+            lr = round_lr(run.config, run.round, run.total_rounds)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        super()._before_training(**kwargs)
+
+    def _unpack_minibatch(self):
+        super()._unpack_minibatch()
+        if self.is_training and self.client is not None and self.run.augment == "standard":
+            from fedaval.training import standard_augment
+
+            self.mbatch[0] = standard_augment(self.mbatch[0], self.run.black)
+
     def criterion(self):
         if self.is_training and self.client is not None:
             return self.run.hook.fedaval_client_criterion(

@@ -66,6 +66,16 @@ def cli() -> None:
 @click.option("--lr", default=0.01, show_default=True, type=float)
 @click.option("--momentum", default=0.0, show_default=True, type=float)
 @click.option("--weight-decay", default=1e-4, show_default=True, type=float)
+@click.option("--optimizer-state", default="reset", show_default=True,
+              help="reset: a fresh optimizer state (momentum) every round, as FedAvg/FedProx/FedNova clients; "
+                   "keep: one state for the whole run.")
+@click.option("--lr-schedule", default="constant", show_default=True,
+              help="Learning rate per global round: constant, cosine or exp (from --lr in round 1 to --lr-min "
+                   "in the last).")
+@click.option("--lr-min", default=1e-4, show_default=True, type=float, help="Last round's learning rate of a decay.")
+@click.option("--augment", default="auto", show_default=True,
+              help="standard: random crop (4-pixel padding) + horizontal flip per training sample; none; "
+                   "auto: standard for CIFAR-10/100, Tiny-ImageNet and small-image folders, none for digits/MNIST.")
 @click.option("--eval-every", default=1, show_default=True, type=int,
               help="Evaluate every N rounds (and always at the end of each task).")
 @click.option("--utility-lambda", default=0.5, show_default=True, type=float,

@@ -1,0 +1,95 @@
+"""What a client's local training does besides the method: the optimizer
+state policy, the learning-rate schedule and data augmentation.
+
+All three are plain functions of the run's configuration, applied by
+:class:`fedaval.strategy.FederatedStrategy` once per round (optimizer, learning
+rate) or once per minibatch (augmentation).
+
+* **Optimizer state** (``--optimizer-state``). ``reset`` (default): every
+  round starts with a fresh optimizer state (no momentum buffer), as the
+  clients of FedAvg, FedProx and FedNova do (McMahan et al. 2017; FedNova's
+  normalisation, Wang et al. 2020, assumes it); ``keep``: one state for the
+  whole run, so momentum gathered on last round's weights is applied to the
+  freshly received global weights (fedaval before this option; kept for
+  comparison).
+* **Learning rate** (``--lr-schedule``), per global round ``r`` of ``R``
+  (constant within a round's local epochs): ``constant`` ``lr``; ``cosine``
+  ``lr_min + (lr - lr_min) (1 + cos(pi (r - 1) / (R - 1))) / 2``; ``exp``
+  ``lr (lr_min / lr)^((r - 1) / (R - 1))`` (PFCL decays 0.01 towards 1e-4
+  over training). Both decays start at ``lr`` in round 1 and reach
+  ``lr_min`` (``--lr-min``) in the last round.
+* **Augmentation** (``--augment``). ``standard``: the CIFAR recipe the papers
+  train with, a random crop with 4-pixel zero padding (black, before
+  normalisation) and a random horizontal flip, drawn per sample; done on the
+  whole minibatch at once, on its device, after the minibatch is built (so
+  the device data path and the loader path give the same batches and the
+  same augmented images). Draws come from the global random streams, which
+  inside a client's round are the client's own
+  (:meth:`fedaval.client.Client.rng_scope`): the same on every backend and
+  across a resume. ``auto`` is ``standard`` for CIFAR-10/100, Tiny-ImageNet
+  and image folders of images of at most 64 pixels, ``none`` otherwise
+  (digits, MNIST, Fashion-MNIST: flips would change what a digit is).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from fedaval.config import RunConfig
+    from fedaval.datasets import ImageData
+
+AUGMENTED_DATASETS = ("cifar10", "cifar100", "tiny-imagenet")
+SMALL_IMAGE = 64
+PADDING = 4
+
+
+def resolve_augment(choice: str, data: ImageData) -> str:
+    """``--augment``'s value for this dataset: ``auto`` becomes ``standard`` or ``none``."""
+    if choice != "auto":
+        return choice
+    if data.name in AUGMENTED_DATASETS:
+        return "standard"
+    if data.name == "imagefolder" and max(data.input_shape[1:]) <= SMALL_IMAGE and data.input_shape[0] == 3:
+        return "standard"
+    return "none"
+
+
+def round_lr(config: RunConfig, round: int, total_rounds: int) -> float:
+    """The learning rate of global round ``round`` (1-based) of ``total_rounds``."""
+    if config.lr_schedule == "constant" or total_rounds <= 1:
+        return config.lr
+    progress = (round - 1) / (total_rounds - 1)
+    if config.lr_schedule == "cosine":
+        return config.lr_min + (config.lr - config.lr_min) * (1 + math.cos(math.pi * progress)) / 2
+    if config.lr_schedule == "exp":
+        return config.lr * (config.lr_min / config.lr) ** progress
+    raise AssertionError(config.lr_schedule)  # RunConfig.validate allows only the names above
+
+
+def standard_augment(x: torch.Tensor, fill: torch.Tensor, padding: int = PADDING) -> torch.Tensor:
+    """Random crop of ``x`` ([B, C, H, W], normalised) from its copy padded by
+    ``padding`` pixels of value ``fill`` ([C]: black, normalised) on every
+    side, then a random horizontal flip, independently per sample, in one
+    batched operation. Offsets are drawn uniformly in ``[0, 2 * padding]``
+    and flips with probability 1/2, from the global random stream of
+    ``x``'s device."""
+    b, c, h, w = x.shape
+    padded = fill.to(x.device, x.dtype).view(1, c, 1, 1).expand(b, c, h + 2 * padding, w + 2 * padding).clone()
+    padded[:, :, padding : padding + h, padding : padding + w] = x
+    offsets = torch.randint(0, 2 * padding + 1, (b, 2), device=x.device)
+    flips = torch.rand(b, device=x.device) < 0.5
+    rows = offsets[:, 0:1] + torch.arange(h, device=x.device)  # [B, H]
+    cols = offsets[:, 1:2] + torch.arange(w, device=x.device)  # [B, W]
+    cols = torch.where(flips[:, None], cols.flip(1), cols)
+    batch = torch.arange(b, device=x.device)[:, None, None]
+    out = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # [B, H, W, C]
+    return out.permute(0, 3, 1, 2).contiguous()
+
+
+def black(data: ImageData) -> torch.Tensor:
+    """The normalised value of a black pixel, per channel: ``-mean / std``."""
+    return -torch.tensor(data.mean, dtype=torch.float32) / torch.tensor(data.std, dtype=torch.float32)

@@ -1,0 +1,148 @@
+"""The local training loop: optimizer state per round, learning-rate
+schedules, augmentation (fedaval/training.py)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fedaval import hookimpl
+from fedaval.api import run_training
+from fedaval.config import RunConfig
+from fedaval.errors import FedavalUsageError
+from fedaval.training import round_lr, standard_augment
+
+
+class OptimizerProbe:
+    """At the first epoch of every round: is there momentum left in the
+    optimizer, and what learning rate does the round use?"""
+
+    name = "optimizer-probe"
+
+    def __init__(self):
+        self.state_at_start: list[int] = []
+        self.lrs: dict[int, float] = {}
+
+    @hookimpl
+    def fedaval_client_epoch_start(self, run, client, epoch):
+        if epoch == 0:
+            optimizer = client.strategy.optimizer
+            self.state_at_start.append(sum(1 for s in optimizer.state.values() if "momentum_buffer" in s))
+            self.lrs[run.round] = optimizer.param_groups[0]["lr"]
+
+
+def test_momentum_buffers_are_empty_at_the_first_step_of_every_round(tiny_config):
+    probe = OptimizerProbe()
+    run_training(tiny_config(momentum=0.9), extra_plugins=[probe])
+    assert len(probe.state_at_start) == 8 and probe.state_at_start == [0] * 8
+
+
+def test_keep_carries_momentum_across_rounds_as_before(tiny_config):
+    probe = OptimizerProbe()
+    run_training(tiny_config(momentum=0.9, optimizer_state="keep"), extra_plugins=[probe])
+    assert probe.state_at_start[:2] == [0, 0]  # round 1: nothing yet
+    assert all(n > 0 for n in probe.state_at_start[2:])  # later rounds start with last round's momentum
+
+
+def test_learning_rate_schedules():
+    config = RunConfig(lr=0.01, lr_min=1e-4, lr_schedule="exp")
+    got = [round_lr(config, r, 5) for r in range(1, 6)]
+    assert got[0] == pytest.approx(0.01) and got[-1] == pytest.approx(1e-4)
+    assert got[2] == pytest.approx(1e-3)  # geometric: halfway in log space
+    config.lr_schedule = "cosine"
+    got = [round_lr(config, r, 5) for r in range(1, 6)]
+    assert got[0] == pytest.approx(0.01) and got[-1] == pytest.approx(1e-4)
+    assert got[2] == pytest.approx((0.01 + 1e-4) / 2)
+    config.lr_schedule = "constant"
+    assert {round_lr(config, r, 5) for r in range(1, 6)} == {0.01}
+
+
+def test_the_schedule_reaches_the_optimizer(tiny_config):
+    probe = OptimizerProbe()
+    run_training(tiny_config(lr=0.1, lr_min=0.001, lr_schedule="exp"), extra_plugins=[probe])
+    assert probe.lrs[1] == pytest.approx(0.1) and probe.lrs[4] == pytest.approx(0.001)
+    assert probe.lrs[2] == pytest.approx(0.1 * 0.01 ** (1 / 3))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"lr_schedule": "linear"}, "--lr-schedule 'linear'|--lr-schedule linear"),
+        ({"lr_schedule": "exp", "lr_min": 0.0}, "--lr-min 0.0"),
+        ({"lr_schedule": "cosine", "lr_min": 0.5}, "--lr-min 0.5"),
+        ({"augment": "heavy"}, "--augment heavy"),
+        ({"optimizer_state": "sometimes"}, "--optimizer-state sometimes"),
+    ],
+)
+def test_bad_values_are_one_line_errors(changes, message):
+    with pytest.raises(FedavalUsageError, match=message):
+        RunConfig(**changes).validate()
+
+
+def test_standard_augment_crops_and_flips_per_sample():
+    torch.manual_seed(0)
+    x = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).view(2, 3, 4, 4)
+    fill = torch.tensor([-1.0, -2.0, -3.0])
+    seen_shift = seen_flip = False
+    for _ in range(50):
+        out = standard_augment(x, fill, padding=1)
+        assert out.shape == x.shape
+        for b in range(2):
+            # every output pixel is an input pixel of the same channel or that channel's fill
+            for c in range(3):
+                values = set(out[b, c].flatten().tolist())
+                assert values <= set(x[b, c].flatten().tolist()) | {fill[c].item()}
+            seen_flip |= torch.equal(out[b], x[b].flip(2))
+            seen_shift |= bool((out[b] == fill.view(3, 1, 1)).any())
+    assert seen_flip and seen_shift
+
+
+def test_standard_augment_draws_from_the_global_stream():
+    x = torch.randn(8, 3, 32, 32)
+    fill = torch.zeros(3)
+    torch.manual_seed(1)
+    a = standard_augment(x, fill)
+    torch.manual_seed(1)
+    b = standard_augment(x, fill)
+    assert torch.equal(a, b) and not torch.equal(a, x)
+
+
+def test_augment_auto_resolves_per_dataset():
+    from fedaval.training import resolve_augment
+
+    data = lambda name, shape: SimpleNamespace(name=name, input_shape=shape)  # noqa: E731
+    assert resolve_augment("auto", data("digits", (1, 8, 8))) == "none"
+    assert resolve_augment("auto", data("cifar10", (3, 32, 32))) == "standard"
+    assert resolve_augment("auto", data("imagefolder", (3, 32, 32))) == "standard"
+    assert resolve_augment("auto", data("imagefolder", (3, 224, 224))) == "none"
+    assert resolve_augment("none", data("cifar10", (3, 32, 32))) == "none"
+
+
+class BatchProbe:
+    name = "batch-probe"
+
+    def __init__(self):
+        self.first: torch.Tensor | None = None
+
+    @hookimpl
+    def fedaval_client_loss(self, run, client, batch):
+        if self.first is None:
+            self.first = batch.x.detach().clone()
+
+
+def test_augmentation_reaches_training_and_is_the_same_on_both_data_paths(tiny_config, tmp_path):
+    from helpers import strip_timing
+
+    runs = {}
+    for augment in ("none", "standard"):
+        for path in ("device", "loader"):
+            probe = BatchProbe()
+            results = run_training(tiny_config(augment=augment, data_path=path, out=str(tmp_path / f"{augment}-{path}")),
+                                   extra_plugins=[probe])
+            runs[(augment, path)] = (strip_timing(results["rounds"]), probe.first)
+    assert runs[("standard", "device")][0] == runs[("standard", "loader")][0]
+    assert torch.equal(runs[("standard", "device")][1], runs[("standard", "loader")][1])
+    assert not torch.equal(runs[("standard", "device")][1], runs[("none", "device")][1])
