@@ -84,7 +84,7 @@ def one_run(args, root: Path, backend: str, threads: int, clients_per_round: int
         dataset="imagefolder", data_root=str(root), model="cnn", scenario="fcil-sync",
         scenario_options={"clients": args.clients, "tasks": args.tasks}, rounds_per_task=args.rounds_per_task,
         local_epochs=args.local_epochs, clients_per_round=clients_per_round, batch_size=args.batch_size,
-        lr=args.lr, eval_every=10**6, device="cpu", seed=args.seed, backend=backend, out=str(folder),
+        lr=args.lr, momentum=0.0, eval_every=10**6, device="cpu", seed=args.seed, backend=backend, out=str(folder),
     )
     start = time.perf_counter()
     run = Run(config, out_dir=folder)

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
             settings = dict(dataset=args.dataset, data_root=root and str(root), model=args.model, scenario="fcil-sync",
                             scenario_options={"clients": n, "tasks": 2}, rounds_per_task=2,
                             clients_per_round=args.per_round, offload_clients=where, device="cpu", seed=0,
-                            checkpoint_every=0)
+                            checkpoint_every=0, lr=0.01, momentum=0.0)
             m = measure(settings)
             peaks[n] = m
             rows.append(f"| {where} | {n} | {m['peak_rss'] / 2**20:.1f} | {m['client_state'] / 2**20:.3f} |")

@@ -57,6 +57,7 @@ def run_config(args, out: Path):
         local_epochs=args.local_epochs,
         batch_size=args.batch_size,
         lr=args.lr,
+        momentum=0.0,  # the plain loop's SGD has no momentum
         device=args.device,
         seed=args.seed,
         out=str(out),

@@ -26,6 +26,8 @@ def tiny_run_config(out, **overrides):
         scenario_options={"clients": 2, "tasks": 2},
         rounds_per_task=2,
         local_epochs=1,
+        lr=0.01,
+        momentum=0.0,
         batch_size=32,
         device="cpu",
         seed=0,

@@ -60,11 +60,12 @@ def cli() -> None:
 @click.option("--download", is_flag=True, help="Download a torchvision dataset into --data-root if missing.")
 @click.option("--model", default="auto", show_default=True, help="auto, mlp, cnn or resnet18.")
 @click.option("--rounds-per-task", default=3, show_default=True, type=int, help="Federated rounds per task.")
-@click.option("--local-epochs", default=1, show_default=True, type=int, help="Local epochs per round.")
+@click.option("--local-epochs", default=None, type=int,
+              help="Local epochs per round. Default: 2 on digits, 1 elsewhere.")
 @click.option("--clients-per-round", default=0, show_default=True, type=int, help="Clients sampled per round (0: all).")
 @click.option("--batch-size", default=32, show_default=True, type=int)
-@click.option("--lr", default=0.01, show_default=True, type=float)
-@click.option("--momentum", default=0.0, show_default=True, type=float)
+@click.option("--lr", default=None, type=float, help="Local SGD learning rate. Default: 0.1 on digits, 0.01 elsewhere.")
+@click.option("--momentum", default=None, type=float, help="Local SGD momentum. Default: 0 on digits, 0.9 elsewhere.")
 @click.option("--weight-decay", default=1e-4, show_default=True, type=float)
 @click.option("--optimizer-state", default="reset", show_default=True,
               help="reset: a fresh optimizer state (momentum) every round, as FedAvg/FedProx/FedNova clients; "

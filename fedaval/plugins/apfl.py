@@ -24,7 +24,8 @@ Readings chosen:
   detached), so ``w_i``'s step is exactly FedAvg's; the personal loss is
   returned as the detached term ``apfl_personal`` so that it is logged (it
   adds no gradient to ``w_i``).
-* ``eta`` is the run's ``--lr``; ``eta_alpha`` is ``alpha_lr`` (default: ``--lr``).
+* ``eta`` is the round's learning rate (``--lr``, on ``--lr-schedule``);
+  ``eta_alpha`` is ``alpha_lr`` (default: the same).
   The step is taken there, not in ``fedaval_client_step``, because
   Algorithm 1 takes both steps from the same point: after the optimizer
   step ``w_i`` has already moved.
@@ -112,7 +113,7 @@ class APFL(Plugin):
         import torch.nn.functional as F
 
         params, buffers = self._personal(client)
-        lr = run.config.lr
+        lr = client.strategy.optimizer.param_groups[0]["lr"]  # the round's (--lr-schedule)
         loss, client.stash[ALPHA] = personal_step(
             client.model, params, buffers, client.stash[ALPHA], batch.x, batch.y, F.cross_entropy,
             lr=lr, alpha_lr=self.options.alpha_lr or lr, adaptive=self.options.adaptive,
