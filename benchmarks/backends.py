@@ -75,9 +75,10 @@ def comparable(results):
 def one_run(args, root: Path, backend: str, threads: int, clients_per_round: int, folder: Path) -> dict:
     import torch
 
+    from fedaval.backends import make_backend
+    from fedaval.build import build_run
     from fedaval.config import RunConfig
     from fedaval.coordinator import train
-    from fedaval.run import Run
 
     torch.set_num_threads(threads)
     config = RunConfig(
@@ -87,12 +88,13 @@ def one_run(args, root: Path, backend: str, threads: int, clients_per_round: int
         lr=args.lr, momentum=0.0, eval_every=10**6, device="cpu", seed=args.seed, backend=backend, out=str(folder),
     )
     start = time.perf_counter()
-    run = Run(config, out_dir=folder)
+    run = build_run(config, out_dir=folder)
+    backend = make_backend(run)
     build = time.perf_counter() - start
-    results = train(run)
+    results = train(run, backend=backend)
     rounds = results["rounds"]
     client_half = [r["seconds"] - r["seconds_fusion"] - r["seconds_eval"] for r in rounds]
-    traffic = getattr(run.backend, "traffic", [])
+    traffic = getattr(backend, "traffic", [])
     per_client = sum(t["clients"] for t in traffic) or 1
     return {
         "results": results,
@@ -100,7 +102,7 @@ def one_run(args, root: Path, backend: str, threads: int, clients_per_round: int
         "first": rounds[0]["seconds"],
         "round": median(r["seconds"] for r in rounds[1:]),
         "clients": median(client_half[1:]),
-        "workers": getattr(run.backend, "workers", 1),
+        "workers": getattr(backend, "workers", 1),
         "to_workers": sum(t["to_workers"] for t in traffic) / per_client,
         "from_workers": sum(t["from_workers"] for t in traffic) / per_client,
         "broadcast": median(t["broadcast"] for t in traffic),

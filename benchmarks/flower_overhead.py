@@ -95,7 +95,7 @@ def setup(config) -> dict:
     """Data, partition and schedule of the run, once per process (the ServerApp's
     and every Ray actor's), exactly as ``time_plain`` builds them."""
     from fedaval.datasets import load_dataset
-    from fedaval.run import make_schedule
+    from fedaval.build import make_schedule
     from fedaval.scenarios.partition import fcil_sync
 
     key = tuple(config[k.replace("_", "-")] for k in SETTINGS)

@@ -114,7 +114,7 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, data, batch: in
 def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
     from fedaval.datasets import load_dataset
     from fedaval.models import build_model
-    from fedaval.run import make_schedule
+    from fedaval.build import make_schedule
     from fedaval.scenarios.partition import fcil_sync
 
     start = time.perf_counter()

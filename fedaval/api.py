@@ -23,7 +23,7 @@ def run_training(
     folder under ``runs/``; an existing folder that holds results is refused,
     so earlier results are never overwritten."""
     from fedaval.atomic import atomic_write_json
-    from fedaval.run import Run, default_out_dir
+    from fedaval.build import build_run, default_out_dir
 
     config = settings if isinstance(settings, RunConfig) else RunConfig(**settings)
     out_dir = Path(config.out) if config.out else default_out_dir(config)
@@ -31,7 +31,7 @@ def run_training(
         raise FedavalUsageError(f"--out {str(out_dir)!r} already holds a run (results.json); choose another folder, or continue it with --resume")
     config.out = str(out_dir)
     config.validate()
-    run = Run(config, extra_plugins=extra_plugins, out_dir=out_dir)
+    run = build_run(config, extra_plugins=extra_plugins, out_dir=out_dir)
     atomic_write_json(out_dir / "config.json", config.to_dict())
     results = _train(run, None, show_progress)
     if echo is not None:
@@ -56,7 +56,7 @@ def resume_training(
 
     from fedaval import checkpoint
     from fedaval.config import RunConfig
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
     out_dir = Path(run_dir)
     where = f"--resume {str(out_dir)!r}"
@@ -77,7 +77,7 @@ def resume_training(
         )
     config = RunConfig.from_dict(settings)
     config.out = str(out_dir)
-    run = Run(config, extra_plugins=extra_plugins, out_dir=out_dir)
+    run = build_run(config, extra_plugins=extra_plugins, out_dir=out_dir)
     round, results = checkpoint.restore_latest(run)
     if echo is not None:
         done = "already complete" if round >= run.total_rounds else f"resuming at round {round + 1}"
@@ -89,9 +89,12 @@ def resume_training(
 
 
 def _train(run: Any, results: dict[str, Any] | None, show_progress: bool) -> dict[str, Any]:
-    """:func:`fedaval.coordinator.train` with an optional progress bar."""
+    """:func:`fedaval.coordinator.train` on the run's ``--backend``, with an
+    optional progress bar."""
+    from fedaval.backends import make_backend
     from fedaval.coordinator import train
 
+    backend = make_backend(run)
     bar = None
     if show_progress:
         from tqdm import tqdm
@@ -109,7 +112,7 @@ def _train(run: Any, results: dict[str, Any] | None, show_progress: bool) -> dic
         bar.update(1)
 
     try:
-        return train(run, on_round=on_round, results=results)
+        return train(run, on_round=on_round, results=results, backend=backend)
     finally:
         if bar is not None:
             bar.close()

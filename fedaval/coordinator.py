@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from fedaval import checkpoint
 from fedaval.atomic import atomic_write_json
-from fedaval.backends import ClientRound
+from fedaval.backends.local import Backend, ClientRound, LocalBackend
 from fedaval.errors import RunFailure
 from fedaval.offload import offload_idle
 from fedaval.evaluation import (
@@ -16,6 +16,7 @@ from fedaval.evaluation import (
     STREAM_BWT,
     STREAM_FORGETTING,
     accuracy_on,
+    client_accuracies,
     continual_utility,
     exp_acc_key,
     mean_or_none,
@@ -27,7 +28,7 @@ from fedaval.payload import Upload, payload_nbytes
 from fedaval.run import Run
 
 
-def run_round(run: Run, round: int) -> dict[str, Any]:
+def run_round(run: Run, round: int, backend: Backend | None = None) -> dict[str, Any]:
     """One federated round. The order of hook calls, in one place:
 
     0. ``run.now`` is the round's :class:`~fedaval.run.RoundInfo`; at the
@@ -36,7 +37,7 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     1. server: ``download = {"weights": shared global weights, **extras}``;
        per sampled client, ``fedaval_server_download(run, client, download)``
        adds that client's own entries
-    2. for each client sampled this round (``run.backend`` runs them: in id
+    2. for each client sampled this round (``backend`` runs them: in id
        order in this process by default; each client in its own random
        streams, see :mod:`fedaval.backends`):
 
@@ -83,6 +84,7 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     ``fedaval_teardown(run)`` once when the run stops.
     """
     hook = run.hook
+    backend = backend or LocalBackend()
     start = time.perf_counter()
     now = run.enter_round(round)
     sampled = run.schedule[round - 1]
@@ -92,8 +94,9 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     uploads: list[Upload] = []
     losses: dict[str, list[float]] = {}
     failed: list[dict[str, Any]] = []
-    run.timer.seconds = 0.0
-    for result in run.backend.train_clients(run, sampled, download, round, extras):
+    seconds_local = 0.0
+    for result in backend.train_clients(run, sampled, download, round, extras):
+        seconds_local += result.seconds
         if result.failure is not None:
             failed.append(client_failed(run, result, round))
             continue
@@ -102,7 +105,6 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
         uploads.append(result.upload)
     if sampled and len(failed) == len(sampled):
         raise RunFailure(f"all {len(sampled)} sampled clients failed in round {round}; first: {failed[0]['reason']}")
-    seconds_local = run.timer.seconds
     fuse_start = time.perf_counter()
     run.server.fuse(uploads, round)
     task_end = now.task_ends
@@ -167,7 +169,7 @@ def evaluate(run: Run, round: int) -> dict[str, Any]:
     ``a_sel`` the same over the clients sampled this round."""
     metrics = run.server.evaluate()
     per_task = [scalar(metrics, exp_acc_key(t)) for t in range(run.task + 1)]
-    client_acc = run.backend.client_accuracies(run, round)
+    client_acc = client_accuracies(run, round)
     predicted, labels = run.server.predictions.predictions()  # from the evaluation above
     new = run.federation_new_classes()
     earlier = [c for t in range(run.task) for c in new[t]]
@@ -213,21 +215,27 @@ def train(
     run: Run,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     results: dict[str, Any] | None = None,
+    backend: Backend | None = None,
 ) -> dict[str, Any]:
     """Run every task and round; after each round write results.json (if the
     run has an output folder) and, on the ``--checkpoint-every`` schedule, a
     checkpoint, so an interrupted run keeps what it finished and can resume.
 
     ``results`` (from :func:`fedaval.checkpoint.restore`) continues a run
-    after the rounds it already holds."""
+    after the rounds it already holds. ``backend`` runs the clients' rounds
+    (default: the one ``--backend`` names, :func:`fedaval.backends.make_backend`)."""
+    from fedaval.backends import make_backend
+
     results = new_results(run) if results is None else results
     try:
-        return _train(run, on_round, results)
+        return _train(run, on_round, results, backend or make_backend(run))
     finally:
         run.hook.fedaval_teardown(run=run)
 
 
-def _train(run: Run, on_round: Callable[[dict[str, Any]], None] | None, results: dict[str, Any]) -> dict[str, Any]:
+def _train(
+    run: Run, on_round: Callable[[dict[str, Any]], None] | None, results: dict[str, Any], backend: Backend
+) -> dict[str, Any]:
     matrix: list[list[float | None]] = [t["accuracy"] for t in results["tasks"]]
     done = len(results["rounds"])
     for task in range(run.num_tasks):
@@ -240,7 +248,7 @@ def _train(run: Run, on_round: Callable[[dict[str, Any]], None] | None, results:
             run.hook.fedaval_server_task_start(run=run, task=task)
         for round in rounds:
             try:
-                record = run_round(run, round)
+                record = run_round(run, round, backend)
             except RunFailure as exc:
                 raise RunFailure(f"{exc}{resume_hint(run)}") from exc
             results["rounds"].append(record)

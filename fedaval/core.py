@@ -1,12 +1,10 @@
 """The core's own hook implementations: defaults a method may override.
 
-Registered in every run next to the plugins, all ``trylast`` except the
-timing wrapper, so any plugin that implements the same hook wins.
+Registered in every run next to the plugins, all ``trylast``, so any plugin
+that implements the same hook wins.
 """
 
 from __future__ import annotations
-
-import time
 
 from fedaval import hookimpl
 
@@ -41,21 +39,3 @@ class CorePlugin:
     @hookimpl(trylast=True)
     def fedaval_client_evaluate(self, run, client):
         return client.evaluate()
-
-
-class LocalTrainTimer:
-    """Times every client's local training (a ``wrapper=True`` hook), for the
-    ``seconds_local`` figure of each round."""
-
-    name = "timer"
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    @hookimpl(wrapper=True)
-    def fedaval_client_train(self, run, client, round):
-        start = time.perf_counter()
-        try:
-            return (yield)
-        finally:
-            self.seconds += time.perf_counter() - start

@@ -51,22 +51,22 @@ def use_device_path(run: Run) -> bool:
     """``--data-path``: ``device``, ``loader``, or ``auto`` (device when the
     dataset fits: under half the free CUDA memory, or 8 GiB on the CPU).
     Decided once per run, at its first data loader."""
-    if "_use_device_path" not in run.__dict__:
+    if run.use_device_path is None:
         choice = run.config.data_path
         if choice != "auto":
-            run._use_device_path = choice == "device"
+            run.use_device_path = choice == "device"
         elif run.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(run.device)
-            run._use_device_path = dataset_nbytes(run) <= CUDA_SHARE * free
+            run.use_device_path = dataset_nbytes(run) <= CUDA_SHARE * free
         else:
-            run._use_device_path = dataset_nbytes(run) <= CPU_BYTES
-    return run._use_device_path
+            run.use_device_path = dataset_nbytes(run) <= CPU_BYTES
+    return run.use_device_path
 
 
 def device_tensors(run: Run, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The run's ``split`` ("train"/"test") images and labels on ``run.device``,
     copied once (on the CPU they are the loaded tensors themselves)."""
-    cache = run.__dict__.setdefault("_device_tensors", {})
+    cache = run.device_tensors
     if split not in cache:
         data = run.data
         x, y = (data.train_x, data.train_y) if split == "train" else (data.test_x, data.test_y)

@@ -53,11 +53,30 @@ def run_writer(run: Run):
 
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = run.__dict__.get("_tb_writer")
+    writer = run.tb_writer
     if writer is None:
-        writer = run._tb_writer = SummaryWriter(str(run.out_dir / "tb"))
+        writer = run.tb_writer = SummaryWriter(str(run.out_dir / "tb"))
         weakref.finalize(run, SummaryWriter.close, writer)
     return writer
+
+
+def client_accuracies(run: Run, round: int) -> dict[int, float | None]:
+    """Each started client's stream accuracy on its seen classes. Clients
+    trained since their last evaluation are evaluated now (inside
+    ``fedaval_client_evaluate``, in their own random streams); the others keep
+    their last result. Runs on the driver whatever the backend: evaluation
+    reads server state (GLDP's newest prototypes) that only the driver has."""
+    accuracies = {}
+    for client in run.clients:
+        if not client.tasks_started:
+            continue
+        if client.trained_at > client.evaluated_at:
+            with client.rng_scope():
+                client.last_eval = run.hook.fedaval_client_evaluate(run=run, client=client) or {}
+            client.evaluated_at = round
+        if client.last_eval:
+            accuracies[client.id] = scalar(client.last_eval, STREAM_ACC)
+    return accuracies
 
 
 def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:

@@ -41,9 +41,9 @@ def folder(run: Run) -> Path:
     temporary folder removed with the run when it has no folder."""
     if run.out_dir is not None:
         return run.out_dir / "clients"
-    path = run.__dict__.get("_offload_folder")
+    path = run.offload_folder
     if path is None:
-        path = run._offload_folder = Path(tempfile.mkdtemp(prefix="fedaval-clients-"))
+        path = run.offload_folder = Path(tempfile.mkdtemp(prefix="fedaval-clients-"))
         weakref.finalize(run, shutil.rmtree, str(path), True)
     return path
 

@@ -1,60 +1,25 @@
-"""A run: configuration, plugins, data, scenario, server and clients."""
+"""A run's state (:class:`Run`) and where it is (:class:`RoundInfo`).
+
+:func:`fedaval.build.build_run` builds a run; :func:`fedaval.coordinator.train`
+runs it. This module builds nothing and imports no other part of fedaval at
+run time, so every module may refer to a run without an import loop.
+"""
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from fedaval import core, offload
-from fedaval.backends import make_backend
-from fedaval.client import Client
-from fedaval.config import RunConfig
-from fedaval.datasets import ImageData, load_dataset
-from fedaval.errors import FedavalUsageError
-from fedaval.models import split_model
-from fedaval.options import build_options
-from fedaval.plugin_manager import get_plugin_manager, load_plugins
-from fedaval.scenarios import get_scenario
-from fedaval.scenarios.partition import Partition
-from fedaval.server import Server
-from fedaval.streams import new_classes
-from fedaval.training import black, resolve_augment
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:i``."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise FedavalUsageError(f"--device {name}: no CUDA device is available; use auto or cpu")
-        index = int(name[5:]) if ":" in name else 0
-        if index >= torch.cuda.device_count():
-            raise FedavalUsageError(
-                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s); allowed cuda:0..cuda:{torch.cuda.device_count() - 1}"
-            )
-        return torch.device(name)
-    raise FedavalUsageError(f"bad value --device {name!r}; allowed: auto, cpu, cuda, cuda:<index>")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def default_out_dir(config: RunConfig) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    methods = "+".join(config.plugins) or "fedavg"
-    return Path("runs") / f"{stamp}-{methods}-{config.scenario}-{config.dataset}-s{config.seed}"
+    from fedaval.client import Client
+    from fedaval.config import RunConfig
+    from fedaval.datasets import ImageData
+    from fedaval.plugin_manager import LoadedPlugins
+    from fedaval.scenarios.partition import Partition
+    from fedaval.server import Server
 
 
 @dataclass(frozen=True)
@@ -80,62 +45,69 @@ class RoundInfo:
 
 
 class Run:
-    """Everything a hook may want: ``config``, ``data``, ``partition``,
-    ``num_classes``, ``num_tasks``, ``device``, ``server``, ``clients``, and
-    where the run is: ``now`` (a :class:`RoundInfo`; ``None`` before the
-    first round), ``task`` (0-based) and ``round`` (1-based; 0 before the first).
+    """A run's state: plain attributes, built by :func:`fedaval.build.build_run`
+    and then the first argument of every hook. Nothing here builds anything.
 
-    Build with :meth:`create`; run with :func:`fedaval.coordinator.train`."""
+    Set when built:
 
-    def __init__(self, config: RunConfig, extra_plugins: list[Any] = (), out_dir: Path | None = None):
-        config.validate()
+    * ``config`` (:class:`~fedaval.config.RunConfig`, defaults filled),
+      ``out_dir`` (the run folder, or ``None``), ``device``;
+    * ``pm`` and ``hook``: the run's plugin manager and its hook relay;
+      ``plugins`` (:class:`~fedaval.plugin_manager.LoadedPlugins`: names and
+      objects, in registration order);
+    * ``data`` (:class:`~fedaval.datasets.ImageData`), ``num_classes``,
+      ``augment`` (``--augment`` resolved: ``standard`` or ``none``) and
+      ``black`` (the normalised black pixel, augmentation's padding);
+    * ``scenario_options``, ``partition`` (each client's tasks, classes and
+      sample indices), ``num_tasks``, ``schedule`` (the clients sampled in
+      each round, index 0 is round 1);
+    * ``server`` (:class:`~fedaval.server.Server`) and ``clients`` (one
+      :class:`~fedaval.client.Client` per partition client, by id);
+    * ``loggers``: owner tag -> its TensorBoard logger.
+
+    Where the run is: ``now`` (a :class:`RoundInfo`; ``None`` before the first
+    round), ``round`` (1-based; 0 before the first) and ``task`` (0-based).
+
+    Caches the core fills on first use: ``tb_writer`` (the run's one
+    ``SummaryWriter``), ``device_tensors`` (the dataset's copies on
+    ``device``), ``use_device_path`` (``--data-path`` decided), and
+    ``offload_folder`` (where ``--offload-clients disk`` writes when the run
+    has no folder)."""
+
+    config: RunConfig
+    out_dir: Path | None
+    device: torch.device
+    pm: Any
+    hook: Any
+    plugins: LoadedPlugins
+    data: ImageData
+    num_classes: int
+    augment: str
+    black: torch.Tensor
+    scenario_options: Any
+    partition: Partition
+    num_tasks: int
+    schedule: list[list[int]]
+    server: Server
+    clients: list[Client]
+
+    def __init__(self, config: RunConfig, out_dir: Path | None = None):
         self.config = config
-        self.pm = get_plugin_manager()
-        self.hook = self.pm.hook
+        self.out_dir = out_dir
         self.round = 0
         self.task = 0
         self.now: RoundInfo | None = None
-        self.out_dir = out_dir
-        self.loggers: dict[str, Any] = {}  # owner tag -> its TensorBoard logger
-        self.device = resolve_device(config.device)
+        self.loggers: dict[str, Any] = {}
+        self.tb_writer: Any = None
+        self.device_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.use_device_path: bool | None = None
+        self.offload_folder: Path | None = None
 
-        spec = get_scenario(config.scenario)
-        raw = {name: dict(values) for name, values in config.plugin_options.items()}
-        scenario_values = {**raw.pop(spec.name, {}), **config.scenario_options}
-        self.scenario_options = build_options(spec.Options, scenario_values, owner=spec.name)
-        self.timer = core.LocalTrainTimer()
-        self.plugins = load_plugins(self.pm, config.plugins, raw, extra=[core.CorePlugin(), self.timer, *extra_plugins])
-        unused = sorted(set(raw) - set(self.plugins.objects))
-        if unused:
-            raise FedavalUsageError(
-                f"options given for {', '.join(unused)}, which is neither a loaded plugin nor the scenario "
-                f"{spec.name!r}; loaded: {', '.join(self.plugins.names)}"
-            )
+    def model(self, client_id: int | None):
+        """Client ``client_id``'s model (``None``: the server's), from ``fedaval_make_model``, split."""
+        from fedaval.models import split_model
 
-        seed_everything(config.seed)
-        self.data: ImageData = load_dataset(config.dataset, config.data_root, config.download)
-        self.num_classes = self.data.num_classes
-        self.augment = config.augment = resolve_augment(config.augment, self.data)
-        self.black = black(self.data)  # the normalised black pixel: augmentation's padding
-        rng = np.random.default_rng(config.seed)
-        self.partition: Partition = spec.build(self.scenario_options, self.data.train_y.numpy(), self.num_classes, rng)
-        self.num_tasks = self.partition.num_tasks
-        self.schedule = make_schedule(self.partition, config.rounds_per_task, config.clients_per_round, rng)
-
-        if out_dir is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        self.backend = make_backend(self)
-        self.hook.fedaval_setup(run=self)
-        seed_everything(config.seed)  # models start the same whatever the plugins drew
-        self.server = Server(self, self._model(None), self.federation_task_classes())
-        self.clients = []
-        for k, tasks in enumerate(self.partition.clients):
-            self.clients.append(Client(self, k, tasks, self._model(k).to(self.device)))
-            offload.offload(self, self.clients[-1])  # per --offload-clients, before the next one is built
-
-    def _model(self, client_id: int | None):
-        model = self.hook.fedaval_make_model(run=self, client_id=client_id)
-        return split_model(model)
+        return split_model(self.hook.fedaval_make_model(run=self, client_id=client_id))
 
     def federation_task_classes(self) -> list[list[int]]:
         """Classes taught at each stage by any client."""
@@ -145,6 +117,8 @@ class Run:
         ]
 
     def federation_new_classes(self) -> list[list[int]]:
+        from fedaval.streams import new_classes
+
         return new_classes(self.federation_task_classes())
 
     def rounds_of_task(self, task: int) -> range:
@@ -167,26 +141,3 @@ class Run:
     @property
     def total_rounds(self) -> int:
         return self.num_tasks * self.config.rounds_per_task
-
-
-def make_schedule(
-    partition: Partition, rounds_per_task: int, clients_per_round: int, rng: np.random.Generator
-) -> list[list[int]]:
-    """Clients sampled in each round (index 0 is round 1), drawn up front from
-    the seed, so every client knows its first and last round of each task.
-
-    In stage ``t`` only clients that have data for task ``t`` are eligible
-    (clients whose stream is shorter sit the later stages out);
-    ``clients_per_round`` of them are drawn without replacement (0: all)."""
-    schedule = []
-    for task in range(partition.num_tasks):
-        eligible = [
-            k for k, c in enumerate(partition.clients) if task < c.num_tasks and len(c.indices[task]) > 0
-        ]
-        for _ in range(rounds_per_task):
-            if clients_per_round == 0 or clients_per_round >= len(eligible):
-                chosen = eligible
-            else:
-                chosen = sorted(int(k) for k in rng.choice(eligible, size=clients_per_round, replace=False))
-            schedule.append(list(chosen))
-    return schedule

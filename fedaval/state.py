@@ -31,8 +31,7 @@ PROTOCOL = 5
 def shared_objects(run: Run, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The objects of ``run`` that state refers to by name, never stores, plus
     ``extra`` (an offloaded client refers to itself this way)."""
-    shared: dict[str, Any] = {"run": run, "run.pm": run.pm, "run.hook": run.hook, "run.data": run.data,
-                              "run.timer": run.timer}
+    shared: dict[str, Any] = {"run": run, "run.pm": run.pm, "run.hook": run.hook, "run.data": run.data}
     for name in ("train_x", "train_y", "test_x", "test_y", "mean", "std"):
         value = getattr(run.data, name, None)
         if value is not None:

@@ -16,11 +16,11 @@ from fedaval.cli import cli
 from fedaval.coordinator import train
 from fedaval.errors import FedavalUsageError
 from fedaval.plugin_manager import instantiate, resolve_plugin
-from fedaval.run import Run
+from fedaval.build import build_run
 
 
 def run_with(config, extra=()):
-    run = Run(config, extra_plugins=list(extra), out_dir=None)
+    run = build_run(config, extra_plugins=list(extra), out_dir=None)
     return run, train(run)
 
 

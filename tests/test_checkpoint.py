@@ -73,14 +73,14 @@ def test_resume_from_any_round_matches_the_whole_run(tiny_config, tmp_path, sett
     from fedaval import checkpoint
     from fedaval.api import run_training
     from fedaval.coordinator import train
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
     config = tiny_config(out=str(tmp_path / "whole"), rounds_per_task=3, keep_checkpoints=100, **settings)
     whole = strip_timing(run_training(config))
     rounds = [r for r, _ in checkpoint.saved(tmp_path / "whole")]
     assert sorted(rounds) == list(range(1, 7))
     for round in (2, 4):  # mid-task and at the start of task 2's second round
-        run = Run(config, out_dir=tmp_path / f"resumed{round}")
+        run = build_run(config, out_dir=tmp_path / f"resumed{round}")
         results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", round))
         assert len(results["rounds"]) == round
         assert strip_timing(train(run, results=results)) == whole
@@ -100,10 +100,10 @@ def test_checkpoint_interval_and_pruning(tiny_config, tmp_path):
 
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tiny_config, tmp_path, monkeypatch):
     from fedaval import checkpoint, state
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
     config = tiny_config(out=str(tmp_path / "run"))
-    run = Run(config, out_dir=tmp_path / "run")
+    run = build_run(config, out_dir=tmp_path / "run")
     run.round = 1
     first = checkpoint.save(run, {"rounds": [1]})
     before = first.read_bytes()

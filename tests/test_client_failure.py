@@ -101,14 +101,14 @@ def test_every_client_failing_stops_even_under_drop(tiny_config):
 
 def test_non_finite_fusion_never_reaches_the_global_model(tiny_config):
     from fedaval.coordinator import train
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
     class BadFusion:
         @hookimpl
         def fedaval_server_fuse_weights(self, run, uploads, global_weights):
             return {k: torch.full_like(v, float("inf")) for k, v in global_weights.items()}
 
-    run = Run(tiny_config(), extra_plugins=[BadFusion()])
+    run = build_run(tiny_config(), extra_plugins=[BadFusion()])
     before = {k: v.clone() for k, v in run.server.model.state_dict().items()}
     with pytest.raises(RunFailure, match="round 1: fused weights.* holds non-finite values"):
         train(run)

@@ -45,7 +45,7 @@ def test_same_results_on_both_paths(tiny_config, tmp_path, settings):
 def test_the_device_path_is_taken_where_it_applies(tiny_config, monkeypatch):
     from fedaval import device_data
     from fedaval.coordinator import train
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
     made = []
     original = device_data.DeviceBatches.__init__
@@ -55,16 +55,16 @@ def test_the_device_path_is_taken_where_it_applies(tiny_config, monkeypatch):
         original(self, run, loader, source, split)
 
     monkeypatch.setattr(device_data.DeviceBatches, "__init__", counting)
-    train(Run(tiny_config(data_path="auto")))
+    train(build_run(tiny_config(data_path="auto")))
     assert {"train", "test"} == {split for split, _ in made}
     assert {"DataLoader", "SingleDatasetDataLoader"} == {kind for _, kind in made}
 
     made.clear()
-    train(Run(tiny_config(data_path="loader")))
+    train(build_run(tiny_config(data_path="loader")))
     assert made == []
 
     made.clear()
-    replay = Run(tiny_config(plugins=["avalanche:ReplayPlugin"], data_path="device"))
+    replay = build_run(tiny_config(plugins=["avalanche:ReplayPlugin"], data_path="device"))
     train(replay)
     # task 1's loader is ours; from task 2 the ReplayPlugin brings its own loader
     # (over data + buffer), which is used as it is
@@ -74,12 +74,12 @@ def test_the_device_path_is_taken_where_it_applies(tiny_config, monkeypatch):
 def test_saved_clients_refer_to_the_run_data(tiny_config, tmp_path):
     from fedaval import state
     from fedaval.coordinator import train
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
-    run = Run(tiny_config())
+    run = build_run(tiny_config())
     train(run)
     blob = state.dumps(run, run.clients[0])
-    other = Run(tiny_config())
+    other = build_run(tiny_config())
     client = state.loads(other, blob)
     source = client.train_stream[0].dataset._datasets[0]
     assert source.images is other.data.train_x

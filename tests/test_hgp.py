@@ -14,7 +14,7 @@ from fedaval.coordinator import run_round
 from fedaval.errors import FedavalUsageError
 from fedaval.plugins.fedavg import weighted_average
 from fedaval.plugins.hgp import client_features
-from fedaval.run import Run
+from fedaval.build import build_run
 
 TINY = {"vit_patch": 4, "vit_dim": 32, "vit_depth": 2, "vit_heads": 2, "vit_mlp_dim": 64, "prompt_length": 3}
 PROMPTS_AND_HEAD = ["features.prompt_k", "features.prompt_v", "classifier.weight", "classifier.bias"]
@@ -39,8 +39,8 @@ def make_run(tiny_config, probe=None, expect_warning=True, **hgp):
     extra = [probe] if probe else []
     if expect_warning:
         with pytest.warns(UserWarning, match="randomly initialised"):
-            return Run(config, extra_plugins=extra)
-    return Run(config, extra_plugins=extra)
+            return build_run(config, extra_plugins=extra)
+    return build_run(config, extra_plugins=extra)
 
 
 def play(run, rounds):
@@ -154,7 +154,7 @@ def test_pretrained_efficientnet_backbone_on_cifar10(tiny_config, cifar10_root):
         plugin_options={"hgp": {"backbone": "efficientnet-lite0", "image_size": 32, "covariance": "diag",
                                 "synthetic_per_class": 32, "rebalance_epochs": 1}},
     )
-    run = Run(config, extra_plugins=[probe])
+    run = build_run(config, extra_plugins=[probe])
     model = run.clients[0].model
     cache = model.features
     net = cache.backbone.net

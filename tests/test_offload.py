@@ -33,9 +33,9 @@ def test_results_do_not_depend_on_where_clients_wait(tiny_config, tmp_path, meth
 
 def test_offloaded_clients_hold_a_pickle_and_come_back_on_use(tiny_config):
     from fedaval.coordinator import run_round
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
-    run = Run(tiny_config(scenario_options={"clients": 4, "tasks": 2}, clients_per_round=1, offload_clients="auto"))
+    run = build_run(tiny_config(scenario_options={"clients": 4, "tasks": 2}, clients_per_round=1, offload_clients="auto"))
     assert all(c.offloaded for c in run.clients)  # offloaded as they were built
     assert all("model" not in vars(c) and "strategy" not in vars(c) for c in run.clients)
     run.server.begin_task(0)
@@ -51,20 +51,20 @@ def test_offloaded_clients_hold_a_pickle_and_come_back_on_use(tiny_config):
 
 
 def test_auto_keeps_everyone_live_when_all_train_every_round(tiny_config):
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
-    assert not any(c.offloaded for c in Run(tiny_config(offload_clients="auto")).clients)
+    assert not any(c.offloaded for c in build_run(tiny_config(offload_clients="auto")).clients)
 
 
 def test_resume_with_offloaded_clients(tiny_config, tmp_path):
     from fedaval import checkpoint
     from fedaval.api import run_training
     from fedaval.coordinator import train
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
     config = tiny_config(out=str(tmp_path / "whole"), scenario_options={"clients": 4, "tasks": 2}, clients_per_round=2,
                          offload_clients="disk", keep_checkpoints=10)
     whole = strip_timing(run_training(config))
-    run = Run(config, out_dir=tmp_path / "resumed")
+    run = build_run(config, out_dir=tmp_path / "resumed")
     results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", 3))
     assert strip_timing(train(run, results=results)) == whole

@@ -122,12 +122,15 @@ def test_tensorboard_is_the_same_on_both_backends(ray_cluster, tiny_config, tmp_
 
 def test_the_backend_counts_what_it_sends(ray_cluster, tiny_config, tmp_path):
     from fedaval.coordinator import train
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
-    run = Run(tiny_config(backend="ray", out=None), out_dir=None)
-    train(run)
-    assert [t["round"] for t in run.backend.traffic] == [1, 2, 3, 4]
-    for t in run.backend.traffic:
+    from fedaval.backends import make_backend
+
+    run = build_run(tiny_config(backend="ray", out=None), out_dir=None)
+    backend = make_backend(run)
+    train(run, backend=backend)
+    assert [t["round"] for t in backend.traffic] == [1, 2, 3, 4]
+    for t in backend.traffic:
         assert t["clients"] == 2 and t["broadcast"] > 0
         assert t["to_workers"] > 0 and t["from_workers"] > t["to_workers"]  # the upload comes back too
 
@@ -139,14 +142,14 @@ def test_a_ray_run_resumes_on_either_backend(ray_cluster, tiny_config, tmp_path)
     from fedaval import checkpoint
     from fedaval.api import run_training
     from fedaval.coordinator import train
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
     settings = dict(plugins=["fedreplay"], plugin_options={"fedreplay": {"mem_size": "40"}}, rounds_per_task=2,
                     keep_checkpoints=10)
     whole = comparable(run_training(tiny_config(out=str(tmp_path / "whole"), backend="ray", **settings)))
     for backend in ("ray", "local"):
         config = tiny_config(out=str(tmp_path / f"resumed-{backend}"), backend=backend, **settings)
-        run = Run(config, out_dir=tmp_path / f"resumed-{backend}")
+        run = build_run(config, out_dir=tmp_path / f"resumed-{backend}")
         results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", 3))  # mid-task 2
         assert_close(whole, comparable(train(run, results=results)))
 
@@ -221,9 +224,9 @@ def test_the_stash_travels_with_its_client(tiny_config):
     client, as one pickle with it; no Ray needed."""
     from fedaval.backends import transfer
     from fedaval.plugins.gldp import LOCAL, PENDING
-    from fedaval.run import Run
+    from fedaval.build import build_run
 
-    run = Run(tiny_config(plugins=["gldp"], out=None), out_dir=None)
+    run = build_run(tiny_config(plugins=["gldp"], out=None), out_dir=None)
     client = run.clients[1]
     client.stash[LOCAL] = {3: "prototype"}
     client.stash[PENDING] = {3: "pending"}

@@ -1,9 +1,10 @@
 """Where clients run: the seam between the round loop and the clients.
 
-The coordinator (:mod:`fedaval.coordinator`) owns the order of a round and
-the server; a backend runs the client half of it, the hooks that run on a
-client (receive, local training, upload) and the clients' evaluation, and
-reports what each client produced. The in-process backend
+The coordinator (:mod:`fedaval.coordinator`) owns the order of a round, the
+server and the evaluation; a backend runs the client half of a round, the
+hooks that run on a client (receive, local training, upload), and reports
+what each client produced. The caller makes the backend (:func:`make_backend`)
+and hands it to :func:`fedaval.coordinator.train`. The in-process backend
 (:class:`LocalBackend`) runs the sampled clients one after the other;
 ``--backend ray`` (:mod:`fedaval.backends.ray`) runs them in parallel on Ray
 workers, the driver keeping every client's state between rounds.
@@ -17,102 +18,14 @@ seed gives the same results whichever backend runs the clients.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
-from fedaval.payload import Upload, check_finite, merge_entries
+from fedaval.backends.local import Backend, ClientRound, LocalBackend, check_losses, client_round
 
 if TYPE_CHECKING:
-    from fedaval.client import Client
     from fedaval.run import Run
 
 __all__ = ["Backend", "ClientRound", "LocalBackend", "client_round", "check_losses", "make_backend"]
-
-
-@dataclass
-class ClientRound:
-    """What one client's round produced: its upload and mean loss terms, or
-    why it failed (``failure``, one line; ``error`` the exception where the
-    backend has it)."""
-
-    client_id: int
-    losses: dict[str, float] = field(default_factory=dict)
-    upload: Upload | None = None
-    failure: str | None = None
-    error: BaseException | None = None
-
-
-class Backend(Protocol):
-    """What the coordinator asks of a backend each round."""
-
-    def train_clients(
-        self, run: Run, client_ids: list[int], download: dict[str, Any], round: int,
-        extras: dict[int, dict[str, Any]] | None = None,
-    ) -> list[ClientRound]:
-        """Run round ``round`` on each client of ``client_ids`` (steps 2a-2c of
-        :func:`fedaval.coordinator.run_round`); client ``k`` receives the
-        broadcast ``download`` plus ``extras[k]``. Results in ``client_ids`` order."""
-
-    def client_accuracies(self, run: Run, round: int) -> dict[int, float | None]:
-        """Each started client's stream accuracy on its seen classes, evaluating
-        the clients trained since their last evaluation."""
-
-
-def check_losses(losses: dict[str, float]) -> None:
-    import math
-
-    for name, value in losses.items():
-        if not math.isfinite(value):
-            raise FloatingPointError(f"{name} is {value}")
-
-
-def client_round(
-    run: Run, client: Client, download: dict[str, Any], round: int, extra: dict[str, Any] | None = None
-) -> ClientRound:
-    """One client's part of a round, in its own random streams; a failure
-    (an exception, a non-finite loss or upload) is caught and reported.
-    ``extra``: this client's own download entries, on top of ``download``."""
-    hook = run.hook
-    with client.rng_scope():
-        try:
-            client.task = run.now.task
-            client.receive({**download, **extra} if extra else download)
-            losses = hook.fedaval_client_train(run=run, client=client, round=round) or {}
-            check_losses(losses)
-            entries = merge_entries(hook.fedaval_client_upload(run=run, client=client), "upload")
-            check_finite(entries, "upload")
-        except Exception as exc:  # noqa: BLE001 - the coordinator applies the failure policy
-            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return ClientRound(client.id, failure=reason, error=exc)
-    return ClientRound(client.id, losses=losses, upload=Upload(client.id, client.num_samples(), entries))
-
-
-class LocalBackend:
-    """Every client in this process, one after the other, on ``--device``."""
-
-    name = "local"
-
-    def train_clients(
-        self, run: Run, client_ids: list[int], download: dict[str, Any], round: int,
-        extras: dict[int, dict[str, Any]] | None = None,
-    ) -> list[ClientRound]:
-        extras = extras or {}
-        return [client_round(run, run.clients[k], download, round, extras.get(k)) for k in client_ids]
-
-    def client_accuracies(self, run: Run, round: int) -> dict[int, float | None]:
-        from fedaval.evaluation import STREAM_ACC, scalar
-
-        accuracies = {}
-        for client in run.clients:
-            if not client.tasks_started:
-                continue
-            if client.trained_at > client.evaluated_at:
-                with client.rng_scope():
-                    client.last_eval = run.hook.fedaval_client_evaluate(run=run, client=client) or {}
-                client.evaluated_at = round
-            if client.last_eval:
-                accuracies[client.id] = scalar(client.last_eval, STREAM_ACC)
-        return accuracies
 
 
 def make_backend(run: Run) -> Backend:

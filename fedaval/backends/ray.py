@@ -56,7 +56,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from fedaval.backends import ClientRound, LocalBackend, transfer
+from fedaval.backends import transfer
+from fedaval.backends.local import ClientRound
 from fedaval.backends.worker import Worker
 from fedaval.errors import FedavalUsageError, RunFailure
 
@@ -162,14 +163,14 @@ def check_resources(run: Run, resources: dict[str, float]) -> None:
 
 
 def extra_plugin_objects(run: Run) -> list[Any]:
-    """The plugin objects passed to ``Run(extra_plugins=...)``: registered
-    after the named plugins and the core's two, which a replica makes itself."""
-    from fedaval.core import CorePlugin, LocalTrainTimer
+    """The plugin objects passed to ``build_run(extra_plugins=...)``: registered
+    after the named plugins and the core's, which a replica makes itself."""
+    from fedaval.core import CorePlugin
     from fedaval.plugin_manager import DEFAULT_PLUGINS
 
     named = len(list(DEFAULT_PLUGINS) + [s for s in run.config.plugins if s not in DEFAULT_PLUGINS])
     objects = list(run.plugins.objects.values())[named:]
-    return [p for p in objects if not isinstance(p, (CorePlugin, LocalTrainTimer))]
+    return [p for p in objects if not isinstance(p, CorePlugin)]
 
 
 @dataclass(eq=False)
@@ -362,21 +363,16 @@ class RayBackend:
         return [results[k] for k in client_ids]
 
     def _take_back(self, run: Run, k: int, data: bytes) -> tuple[ClientRound, str | None]:
-        """Load what a worker sent back into the driver's run: the client, its
-        plugin entries, its local-training seconds and its loggers' records."""
+        """Load what a worker sent back into the driver's run: the client (its
+        round's result carries its local-training seconds) and its loggers' records."""
         back = transfer.loads(run, data)
         if "client" in back:
             run.clients[k] = back["client"]
-            run.timer.seconds += back["seconds"]
             loggers = transfer.shared_names(run)
             for name, records in back["logs"].items():
                 for metric, value, x_plot in records:
                     loggers[name].log_single_metric(metric, value, x_plot)
         return back["round"], back.get("problem")
-
-    def client_accuracies(self, run: Run, round: int) -> dict[int, float | None]:
-        """On the driver, as in-process (see the module docstring)."""
-        return LocalBackend().client_accuracies(run, round)
 
 
 def _last_line(exc: BaseException) -> str:

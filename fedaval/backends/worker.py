@@ -22,7 +22,8 @@ from typing import Any
 
 from avalanche.logging import BaseLogger
 
-from fedaval.backends import ClientRound, client_round, transfer
+from fedaval.backends import transfer
+from fedaval.backends.local import ClientRound, client_round
 
 
 class RemoteClientError(Exception):
@@ -61,8 +62,6 @@ def watch_plugins(run) -> dict[tuple[str, str], Any]:
     see one grow or change."""
     seen: dict[tuple[str, str], Any] = {}
     for name, plugin in transfer.plugin_objects(run):
-        if plugin is run.timer:
-            continue
         for attr, value in vars(plugin).items():
             if isinstance(value, dict):
                 seen[(name, attr)] = (value, {k: id(v) for k, v in value.items()})
@@ -119,8 +118,8 @@ class Worker:
         describes, on ``device``, with ``extra_plugins`` registered after the
         named ones and the driver's environment variables ``env``. Returns
         ``host:pid``, for messages."""
+        from fedaval.build import build_run
         from fedaval.config import RunConfig
-        from fedaval.run import Run
 
         os.environ.update(env)
         self.run = None
@@ -129,7 +128,7 @@ class Worker:
         config.backend, config.out, config.device, config.ray_address = "local", None, device, None
         if hasattr(config, "offload_clients"):
             config.offload_clients = "none"  # its own clients are dropped below
-        run = Run(config, extra_plugins=extra_plugins, out_dir=None)
+        run = build_run(config, extra_plugins=extra_plugins, out_dir=None)
         run.clients = [VacantClient(c.id) for c in run.clients]
         self.run = run
         self.stand_ins = {}
@@ -168,7 +167,6 @@ class Worker:
         client = sent["client"]
         run.clients[client_id] = client
         before = watch_plugins(run)
-        run.timer.seconds = 0.0
         try:
             result = client_round(run, client, broadcast, round, sent.get("extra"))
             if result.error is not None:
@@ -177,7 +175,6 @@ class Worker:
             back = {
                 "round": result,
                 "client": client,
-                "seconds": run.timer.seconds,
                 "logs": {name: logger.take() for name, logger in self.stand_ins.items() if logger.records},
                 "problem": unsynced_change(run, client_id, before),
             }

@@ -1,0 +1,132 @@
+"""Building a run: what ``fedaval train`` does before the first round.
+
+:func:`build_run` validates the configuration, loads the plugins and the data,
+partitions it into the scenario's client task streams, draws the schedule of
+sampled clients, calls ``fedaval_setup``, and builds the server and every
+client. The result is a :class:`fedaval.run.Run`, plain state. Where the
+clients' rounds run (the backend, :func:`fedaval.backends.make_backend`) is
+the caller's choice, passed to :func:`fedaval.coordinator.train`.
+"""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedaval import core, offload
+from fedaval.client import Client
+from fedaval.config import RunConfig
+from fedaval.datasets import load_dataset
+from fedaval.errors import FedavalUsageError
+from fedaval.options import build_options
+from fedaval.plugin_manager import get_plugin_manager, load_plugins
+from fedaval.run import Run
+from fedaval.scenarios import get_scenario
+from fedaval.scenarios.partition import Partition
+from fedaval.server import Server
+from fedaval.training import black, resolve_augment
+
+
+def build_run(config: RunConfig, extra_plugins: list[Any] = (), out_dir: Path | None = None) -> Run:
+    """The :class:`Run` that ``config`` describes, ready for its first round.
+
+    ``extra_plugins`` are plugin objects registered after ``config.plugins``
+    (tests add probes this way); ``out_dir`` is the run folder (``None``: no
+    results, checkpoints or TensorBoard are written)."""
+    config.validate()
+    run = Run(config, out_dir)
+    run.device = resolve_device(config.device)
+    run.pm = get_plugin_manager()
+    run.hook = run.pm.hook
+
+    spec = get_scenario(config.scenario)
+    raw = {name: dict(values) for name, values in config.plugin_options.items()}
+    scenario_values = {**raw.pop(spec.name, {}), **config.scenario_options}
+    run.scenario_options = build_options(spec.Options, scenario_values, owner=spec.name)
+    run.plugins = load_plugins(run.pm, config.plugins, raw, extra=[core.CorePlugin(), *extra_plugins])
+    unused = sorted(set(raw) - set(run.plugins.objects))
+    if unused:
+        raise FedavalUsageError(
+            f"options given for {', '.join(unused)}, which is neither a loaded plugin nor the scenario "
+            f"{spec.name!r}; loaded: {', '.join(run.plugins.names)}"
+        )
+
+    seed_everything(config.seed)
+    run.data = load_dataset(config.dataset, config.data_root, config.download)
+    run.num_classes = run.data.num_classes
+    run.augment = config.augment = resolve_augment(config.augment, run.data)
+    run.black = black(run.data)
+    rng = np.random.default_rng(config.seed)
+    run.partition = spec.build(run.scenario_options, run.data.train_y.numpy(), run.num_classes, rng)
+    run.num_tasks = run.partition.num_tasks
+    run.schedule = make_schedule(run.partition, config.rounds_per_task, config.clients_per_round, rng)
+
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    run.hook.fedaval_setup(run=run)
+    seed_everything(config.seed)  # models start the same whatever the plugins drew
+    run.server = Server(run, run.model(None), run.federation_task_classes())
+    run.clients = []
+    for k, tasks in enumerate(run.partition.clients):
+        run.clients.append(Client(run, k, tasks, run.model(k).to(run.device)))
+        offload.offload(run, run.clients[-1])  # per --offload-clients, before the next one is built
+    return run
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:i``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise FedavalUsageError(f"--device {name}: no CUDA device is available; use auto or cpu")
+        index = int(name[5:]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise FedavalUsageError(
+                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s); allowed cuda:0..cuda:{torch.cuda.device_count() - 1}"
+            )
+        return torch.device(name)
+    raise FedavalUsageError(f"bad value --device {name!r}; allowed: auto, cpu, cuda, cuda:<index>")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def default_out_dir(config: RunConfig) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    methods = "+".join(config.plugins) or "fedavg"
+    return Path("runs") / f"{stamp}-{methods}-{config.scenario}-{config.dataset}-s{config.seed}"
+
+
+
+def make_schedule(
+    partition: Partition, rounds_per_task: int, clients_per_round: int, rng: np.random.Generator
+) -> list[list[int]]:
+    """Clients sampled in each round (index 0 is round 1), drawn up front from
+    the seed, so every client knows its first and last round of each task.
+
+    In stage ``t`` only clients that have data for task ``t`` are eligible
+    (clients whose stream is shorter sit the later stages out);
+    ``clients_per_round`` of them are drawn without replacement (0: all)."""
+    schedule = []
+    for task in range(partition.num_tasks):
+        eligible = [
+            k for k, c in enumerate(partition.clients) if task < c.num_tasks and len(c.indices[task]) > 0
+        ]
+        for _ in range(rounds_per_task):
+            if clients_per_round == 0 or clients_per_round >= len(eligible):
+                chosen = eligible
+            else:
+                chosen = sorted(int(k) for k in rng.choice(eligible, size=clients_per_round, replace=False))
+            schedule.append(list(chosen))
+    return schedule
