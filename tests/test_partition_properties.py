@@ -102,22 +102,32 @@ def test_fcil_sync(data, clients, tasks, alpha, seed):
 
 
 @PROPERTY_SETTINGS
-@given(labels(), st.integers(-1, 6), st.integers(-1, 8), st.floats(-0.2, 1.2), seeds)
-def test_fcil_async(data, clients, tasks, consensus, seed):
-    values = dict(clients=clients, tasks=tasks, consensus=consensus)
+@given(labels(), st.integers(-1, 6), st.integers(-1, 8), st.floats(-0.2, 1.2), st.integers(-1, 12), seeds)
+def test_fcil_async(data, clients, tasks, consensus, classes_per_client, seed):
+    from fedaval.scenarios.partition import consensus_split, fcil_async_max_classes_per_client
+
+    values = dict(clients=clients, tasks=tasks, consensus=consensus, classes_per_client=classes_per_client)
     targets, num_classes, options, partition, error = run_or_error("fcil-async", values, data, seed)
     if error is not None:
-        assert_one_line_error(error, clients, tasks, consensus)
-        if clients >= 1 and tasks >= 1 and 0 <= consensus <= 1:
-            assert "a client holds only" in str(error)  # more tasks than a client has classes
+        assert_one_line_error(error, clients, tasks, consensus, classes_per_client)
         return
-    assert clients >= 1 and tasks >= 1 and 0 <= consensus <= 1
+    assert clients >= 1 and tasks >= 1 and 0 <= consensus <= 1 and classes_per_client >= 0
     check_common(partition, targets, clients)
-    assert len(partition.all_indices()) == len(targets), "every sample is used"
+    m = classes_per_client or fcil_async_max_classes_per_client(num_classes, clients, consensus)
+    common, unique = consensus_split(m, consensus)
     held = [{c for group in client.classes for c in group} for client in partition.clients]
+    assert all(len(h) == m for h in held), "every client holds m classes"
     shared = set.intersection(*held)
     if clients > 1:
-        assert len(shared) == int(round(consensus * num_classes))
+        assert len(shared) == common, "gamma is the fraction of a client's classes held by every client"
+        for h in held:
+            assert all(sum(c in other for other in held) == 1 for c in h - shared)
+    used = set.union(*held)
+    assert len(used) == common + clients * unique <= num_classes
+    if classes_per_client == 0:  # as many classes as the dataset allows
+        bigger = consensus_split(m + 1, consensus)
+        assert bigger[0] + clients * bigger[1] > num_classes
+    assert len(partition.all_indices()) == class_samples(targets, used), "every sample of a used class is used"
     assert all(client.num_tasks == tasks for client in partition.clients)
 
 

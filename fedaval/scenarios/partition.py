@@ -9,6 +9,7 @@ training starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -211,6 +212,27 @@ def fcil_sync(
     return Partition(clients)
 
 
+def consensus_split(classes_per_client: int, consensus: float) -> tuple[int, int]:
+    """``(common, unique)`` classes of one client: common = round(gamma * m)
+    (halves rounded up), unique = m - common."""
+    common = int(math.floor(consensus * classes_per_client + 0.5 + 1e-9))
+    return common, classes_per_client - common
+
+
+def fcil_async_classes_needed(classes_per_client: int, num_clients: int, consensus: float) -> int:
+    """Dataset classes a setting uses: the common ones once, every client's unique ones."""
+    common, unique = consensus_split(classes_per_client, consensus)
+    return common + num_clients * unique
+
+
+def fcil_async_max_classes_per_client(num_classes: int, num_clients: int, consensus: float) -> int:
+    """The largest m with common + clients * unique <= C (0 if none)."""
+    for m in range(num_classes, 0, -1):
+        if fcil_async_classes_needed(m, num_clients, consensus) <= num_classes:
+            return m
+    return 0
+
+
 def fcil_async(
     targets: np.ndarray,
     num_classes: int,
@@ -218,34 +240,58 @@ def fcil_async(
     num_tasks: int,
     consensus: float,
     rng: np.random.Generator,
+    classes_per_client: int = 0,
 ) -> Partition:
     """FedProK's asynchronous FCIL with consensus rate gamma.
 
-    round(gamma * C) classes are common to all clients (their samples split
-    evenly over the clients); every other class belongs to exactly one client
-    (dealt round-robin in a seeded order) which gets all its samples. Each
-    client orders its own classes at random and cuts them into T tasks.
-    Reading: gamma is the fraction of the dataset's classes that every client
-    holds. Every sample is used exactly once."""
+    Reading (FedProK, Section 3.1 and 5.1: "if each client's local task
+    sequence comprises samples of 50 classes, with 25 common classes and 25
+    unique classes, the consensus rate gamma in this case is 0.5"; "10 or 25
+    classes are common on all clients while the rest of 40 or 25 classes are
+    unique on one client"): gamma is the fraction of *one client's* classes
+    that every client holds. With m classes per client, common =
+    round(gamma * m) classes are on every client (their samples split evenly
+    over the clients) and unique = m - common classes belong to that client
+    alone (all their samples). The setting uses common + clients * unique
+    dataset classes; the others are left out.
+
+    ``classes_per_client`` is m; 0 (the default) takes the largest m the
+    dataset allows, so that as many classes as possible are used (on
+    CIFAR-100 with 2 clients, gamma 0.2: m = 55, 11 common + 2 x 44 unique =
+    99 classes). The paper's CIFAR-100 figures (m = 50, 3 clients, gamma 0.2:
+    10 + 3 x 40 = 130 classes) do not fit in 100 classes; with 2 clients they
+    do (90 classes). Each client orders its own classes at random and cuts
+    them into T tasks. Every sample of a used class is used exactly once."""
     _check_clients(num_clients)
     _require(0 <= consensus <= 1, f"bad consensus rate {consensus}; must be in [0, 1]")
     _require(num_tasks >= 1, f"bad number of tasks {num_tasks}; must be >= 1")
+    largest = fcil_async_max_classes_per_client(num_classes, num_clients, consensus)
+    _require(
+        largest >= 1,
+        f"bad scenario: {num_clients} clients with consensus {consensus} need more than the dataset's "
+        f"{num_classes} classes; lower the number of clients",
+    )
+    if classes_per_client == 0:
+        classes_per_client = largest
+    _require(
+        1 <= classes_per_client <= largest,
+        f"bad classes per client {classes_per_client}; with {num_clients} clients and consensus {consensus} "
+        f"it needs {fcil_async_classes_needed(classes_per_client, num_clients, consensus)} classes, the dataset "
+        f"has {num_classes}; allowed 1..{largest} (0: {largest})",
+    )
+    _require(
+        num_tasks <= classes_per_client,
+        f"bad number of tasks {num_tasks}; with consensus {consensus} a client holds only {classes_per_client} "
+        f"classes, allowed 1..{classes_per_client}",
+    )
+    num_shared, num_unique = consensus_split(classes_per_client, consensus)
     by_class = _indices_by_class(targets, num_classes, rng)
     order = class_order(num_classes, rng)
-    num_shared = int(round(consensus * num_classes))
-    shared, unique = order[:num_shared], order[num_shared:]
-    owned: list[list[int]] = [[int(c) for c in shared] for _ in range(num_clients)]
-    if num_clients == 1:
-        owned[0] += [int(c) for c in unique]
-    else:
-        for i, c in enumerate(unique):
-            owned[i % num_clients].append(int(c))
-    smallest = min(len(o) for o in owned)
-    _require(
-        num_tasks <= smallest,
-        f"bad number of tasks {num_tasks}; with consensus {consensus} a client holds only {smallest} classes, "
-        f"allowed 1..{smallest}",
-    )
+    shared = order[:num_shared]
+    owned: list[list[int]] = [
+        [int(c) for c in shared] + [int(c) for c in order[num_shared + k * num_unique : num_shared + (k + 1) * num_unique]]
+        for k in range(num_clients)
+    ]
     shared_pieces = {int(c): _split_evenly(by_class[c], num_clients) for c in shared}
     clients = []
     for k in range(num_clients):
