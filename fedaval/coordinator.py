@@ -172,6 +172,7 @@ def new_results(run: Run) -> dict[str, Any]:
             "federation_task_classes": run.federation_task_classes(),
             "client_task_classes": [c.classes for c in run.partition.clients],
             "client_task_samples": [[len(i) for i in c.indices] for c in run.partition.clients],
+            **run.partition.summary,  # sthfl: samples_per_client, data_fraction_used, effective_imbalance
         },
         "plugins": run.plugins.names,
         "rounds": [],

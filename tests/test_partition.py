@@ -45,6 +45,52 @@ def test_sthfl_promises():
     assert counts.max() / counts.min() == pytest.approx(10, rel=0.01)
 
 
+def new_class_per_stage(part) -> list[bool]:
+    """For every client-stage: does it bring a class new to its client?"""
+    flags = []
+    for client in part.clients:
+        seen = set()
+        for classes in client.classes:
+            flags.append(bool(set(classes) - seen))
+            seen |= set(classes)
+    return flags
+
+
+def test_sthfl_gldp_cifar10_setting():
+    """[20,4,5], IF 50 on CIFAR-10-like labels (5000 per class). Before: about
+    20% of client-stages brought no new class, 40% of the long-tailed set was
+    cut away and the effective IF fell to about 44 (10 seeds)."""
+    targets = balanced_targets(10, 5000)
+    for seed in range(3):
+        part = P.sthfl(targets, 10, 20, 4, 5, 50, np.random.default_rng(seed))
+        assert all(new_class_per_stage(part))
+        totals = {sum(len(i) for i in c.indices) for c in part.clients}
+        assert totals == {part.summary["samples_per_client"]}
+        used = part.all_indices()
+        long_tail = P.long_tail_counts(5000, 10, 50).sum()
+        assert part.summary["data_fraction_used"] == pytest.approx(len(used) / long_tail)
+        assert part.summary["data_fraction_used"] > 0.99
+        per_class = np.bincount(targets[used], minlength=10)
+        assert part.summary["effective_imbalance"] == pytest.approx(per_class.max() / per_class.min())
+        assert part.summary["effective_imbalance"] == pytest.approx(50, rel=0.01)
+
+
+def test_sthfl_needs_room_for_a_new_class_per_stage():
+    with pytest.raises(FedavalUsageError, match="need 6 classes; the dataset has 5"):
+        P.sthfl(balanced_targets(5, 100), 5, 2, 2, 5, 1, np.random.default_rng(0))
+
+
+def test_equal_totals_by_hand():
+    """Client 0 drew classes {0, 1}, client 1 drew {1}; classes have 10 and 4
+    samples; class 1 has two slots (one per client), each needs a sample.
+    Client 1 can get at most 4 - 1 = 3 (client 0's slot keeps one), so Q = 3:
+    client 1 takes all 3 left of class 1, client 0 one of class 1 (its slot)
+    and two of class 0."""
+    quota, extra = P.equal_totals([2, 1], [{0, 1}, {1}], np.array([1, 2]), np.array([10, 4]))
+    assert quota == 3
+    assert extra.tolist() == [[1, 0], [0, 2]]  # beyond the one sample per slot
+
+
 def test_sthfl_same_seed_same_partition():
     targets = balanced_targets(10, 50)
     a = P.sthfl(targets, 10, 4, 2, 3, 5, np.random.default_rng(7))

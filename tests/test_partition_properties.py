@@ -66,9 +66,12 @@ seeds = st.integers(0, 2**16)
 @PROPERTY_SETTINGS
 @given(labels(), st.integers(-1, 6), st.integers(0, 14), st.integers(-1, 5), st.floats(0.5, 60), seeds)
 def test_sthfl(data, clients, classes_per_task, tasks, imbalance, seed):
+    from fedaval.scenarios.partition import long_tailed
+
     values = dict(clients=clients, classes_per_task=classes_per_task, tasks=tasks, imbalance=imbalance)
     targets, num_classes, options, partition, error = run_or_error("sthfl", values, data, seed)
-    valid = clients >= 1 and tasks >= 1 and 1 <= classes_per_task <= num_classes and imbalance >= 1
+    valid = (clients >= 1 and tasks >= 1 and 1 <= classes_per_task <= num_classes and imbalance >= 1
+             and classes_per_task + tasks - 1 <= num_classes)
     if error is not None:
         # the one data-dependent refusal: too few samples of a class for the stages that drew it
         assert not valid or "imbalance factor" in str(error)
@@ -81,6 +84,27 @@ def test_sthfl(data, clients, classes_per_task, tasks, imbalance, seed):
     for client in partition.clients:
         assert client.num_tasks == tasks
         assert all(len(classes) == classes_per_task for classes in client.classes)
+        seen = set()
+        for classes, idx in zip(client.classes, client.indices):
+            assert set(classes) - seen, "every client-stage brings a class new to its client"
+            assert set(np.unique(targets[idx]).tolist()) == set(classes), "every drawn class has samples"
+            seen |= set(classes)
+    # as much data as equal totals allow: at least what splitting every class
+    # evenly over its slots and cutting to the smallest client gives (the old rule)
+    kept = [len(k) for k in long_tailed(targets, num_classes, imbalance, np.random.default_rng(seed))]
+    slots = np.zeros(num_classes, dtype=int)
+    for client in partition.clients:
+        for classes in client.classes:
+            slots[classes] += 1
+    even_split = min(sum(kept[c] // slots[c] for classes in client.classes for c in classes)
+                     for client in partition.clients)
+    used = partition.all_indices()
+    quota = totals.pop()
+    assert quota == partition.summary["samples_per_client"] >= even_split
+    assert partition.summary["data_fraction_used"] == len(used) / sum(kept)
+    per_class = np.bincount(targets[used], minlength=num_classes)
+    per_class = per_class[per_class > 0]
+    assert partition.summary["effective_imbalance"] == per_class.max() / per_class.min()
 
 
 @PROPERTY_SETTINGS
