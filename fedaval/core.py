@@ -12,8 +12,9 @@ from fedaval import hookimpl
 
 
 class CorePlugin:
-    """Default model (``--model``) and local training (one Avalanche
-    ``train()`` call per round), and the wall-clock of each client's training."""
+    """Default model (``--model``), federation model (``"global"``) and
+    local training (one Avalanche ``train()`` call per round), and the
+    wall-clock of each client's training."""
 
     name = "core"
 
@@ -22,6 +23,10 @@ class CorePlugin:
         from fedaval.models import build_model
 
         return build_model(run.config.model, run.data.input_shape, run.num_classes)
+
+    @hookimpl(trylast=True)
+    def fedaval_federation_model(self, run):
+        return "global"
 
     @hookimpl(trylast=True)
     def fedaval_local_train(self, run, client, round):
