@@ -178,34 +178,33 @@ def evaluate(run: Run, round: int) -> dict[str, Any]:
 
     ``forgetting`` and ``bwt`` are added by :func:`train`, from the accuracy
     matrix."""
+    record: dict[str, Any] = dict.fromkeys(GLOBAL_MODEL_KEYS)
+    if federation_model(run) == "global":  # the server first, then the clients
+        metrics = run.server.evaluate()
+        predicted, labels = run.server.predictions.predictions()  # from the evaluation above
+        new = run.federation_new_classes()
+        earlier = [c for t in range(run.task) for c in new[t]]
+        stability = accuracy_on(predicted, labels, earlier)
+        plasticity = accuracy_on(predicted, labels, new[run.task])
+        record.update(
+            global_accuracy=scalar(metrics, STREAM_ACC),
+            global_task_accuracy=[scalar(metrics, exp_acc_key(t)) for t in range(run.task + 1)],
+            avalanche_forgetting=scalar(metrics, STREAM_FORGETTING),
+            avalanche_bwt=scalar(metrics, STREAM_BWT),
+            a_glo=mean_or_none(
+                accuracy_on(predicted, labels, c.seen_classes()) for c in run.clients if c.tasks_started
+            ),
+            stability=stability,
+            plasticity=plasticity,
+            utility=continual_utility(stability, plasticity, run.config.utility_lambda),
+        )
     client_acc = run.backend.client_accuracies(run, round)
     sampled = set(run.schedule[round - 1])
-    record: dict[str, Any] = {
-        "client_accuracy": {str(k): v for k, v in client_acc.items()},
-        "mean_client_accuracy": mean_or_none(client_acc.values()),
-        "a_loc": mean_or_none(client_acc.values()),
-        "a_sel": mean_or_none(v for k, v in client_acc.items() if k in sampled),
-        **dict.fromkeys(GLOBAL_MODEL_KEYS),
-    }
-    if federation_model(run) != "global":
-        return record
-    metrics = run.server.evaluate()
-    predicted, labels = run.server.predictions.predictions()  # from the evaluation above
-    new = run.federation_new_classes()
-    earlier = [c for t in range(run.task) for c in new[t]]
-    stability = accuracy_on(predicted, labels, earlier)
-    plasticity = accuracy_on(predicted, labels, new[run.task])
     record.update(
-        global_accuracy=scalar(metrics, STREAM_ACC),
-        global_task_accuracy=[scalar(metrics, exp_acc_key(t)) for t in range(run.task + 1)],
-        avalanche_forgetting=scalar(metrics, STREAM_FORGETTING),
-        avalanche_bwt=scalar(metrics, STREAM_BWT),
-        a_glo=mean_or_none(
-            accuracy_on(predicted, labels, c.seen_classes()) for c in run.clients if c.tasks_started
-        ),
-        stability=stability,
-        plasticity=plasticity,
-        utility=continual_utility(stability, plasticity, run.config.utility_lambda),
+        client_accuracy={str(k): v for k, v in client_acc.items()},
+        mean_client_accuracy=mean_or_none(client_acc.values()),
+        a_loc=mean_or_none(client_acc.values()),
+        a_sel=mean_or_none(v for k, v in client_acc.items() if k in sampled),
     )
     return record
 
