@@ -133,8 +133,9 @@ def scalar(metrics: dict[str, Any], key: str) -> float | None:
 
 
 def forgetting(matrix: list[list[float | None] | None]) -> float | None:
-    """Average forgetting (Chaudhry et al., "Riemannian Walk", ECCV 2018,
-    Eq. 5-6) from an accuracy matrix: ``matrix[l][j]`` is the accuracy on the
+    """Average forgetting (the "forgetting measure" of Chaudhry et al.,
+    "Riemannian Walk for Incremental Learning", ECCV 2018) from an accuracy
+    matrix: ``matrix[l][j]`` is the accuracy on the
     classes of stage j after stage l (rows grow by one column per stage;
     ``None`` where stage j brought no class new to the federation). With T
     the last row,
@@ -156,8 +157,8 @@ def forgetting(matrix: list[list[float | None] | None]) -> float | None:
 
 
 def backward_transfer(matrix: list[list[float | None] | None]) -> float | None:
-    """Backward transfer (Lopez-Paz and Ranzato, "Gradient Episodic Memory",
-    NeurIPS 2017, Eq. 3): BWT = mean over j < T of a[T][j] - a[j][j], over the
+    """Backward transfer (Lopez-Paz and Ranzato, "Gradient Episodic Memory
+    for Continual Learning", NeurIPS 2017): BWT = mean over j < T of a[T][j] - a[j][j], over the
     columns with both values (``None`` entries, see :func:`forgetting`, are
     skipped). Negative: forgetting. ``None`` when no column qualifies."""
     rows = [r for r in matrix if r is not None]

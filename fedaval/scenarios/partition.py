@@ -210,11 +210,10 @@ def sthfl(
        order, keep n_c = n_max * IF^(-rank/(C-1)) samples (``long_tail_counts``).
     2. Every client draws S distinct classes for each of its M stages. A stage
        may repeat classes of the client's earlier stages (the paper allows
-       overlap) but brings at least one class new to the client (the formal
-       STHFL definition: the distribution of every stage task differs from the
-       earlier ones, P(X_i^(m), Y_i^(m)) != P(X_i^(m-1), Y_i^(m-1)), and the
-       stages are class-incremental); see :func:`draw_stage`. This needs
-       S + M - 1 <= C.
+       overlap) but brings at least one class new to the client: the STHFL
+       definition, temporal heterogeneity (b), "there exists y_i^(m),r not in
+       the union over j < m of Y_i^(j), for y_i^(m),r in Y_i^(m)" (GLDP,
+       Section 3); see :func:`draw_stage`. This needs S + M - 1 <= C.
     3. Every (client, stage, class) slot gets one sample; the rest are
        assigned so that every client holds the same number Q of samples
        ("each client is assigned the same number of training samples but with
@@ -362,10 +361,10 @@ def fcil_async(
 ) -> Partition:
     """FedProK's asynchronous FCIL with consensus rate gamma.
 
-    Reading (FedProK, Section 3.1 and 5.1: "if each client's local task
-    sequence comprises samples of 50 classes, with 25 common classes and 25
-    unique classes, the consensus rate gamma in this case is 0.5"; "10 or 25
-    classes are common on all clients while the rest of 40 or 25 classes are
+    Reading (FedProK, Section 3.2: "if each client's local task sequence
+    comprises samples of 50 classes, with 25 common classes and 25 unique
+    classes, the consensus rate gamma in this case is 0.5"; Section 6.1: "10
+    or 25 classes are common on all clients while the rest of 40 or 25 classes are
     unique on one client"): gamma is the fraction of *one client's* classes
     that every client holds. With m classes per client, common =
     round(gamma * m) classes are on every client (their samples split evenly
