@@ -119,7 +119,9 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     record["seconds_local"] = seconds_local
     record["seconds_fusion"] = seconds_fusion
     record["seconds_computation"] = seconds_local + seconds_fusion
-    record["seconds_communication"] = communication_seconds(record["bytes_up"] + record["bytes_down"], run.config.link_mbps)
+    record["seconds_communication"] = communication_seconds(
+        record["bytes_up"] + record["bytes_down"], run.config.link_mbps
+    )
     record["seconds_eval"] = time.perf_counter() - eval_start
     record["seconds"] = time.perf_counter() - start
     return record

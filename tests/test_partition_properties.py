@@ -105,6 +105,38 @@ def test_sthfl(data, clients, classes_per_task, tasks, imbalance, seed):
     per_class = np.bincount(targets[used], minlength=num_classes)
     per_class = per_class[per_class > 0]
     assert partition.summary["effective_imbalance"] == per_class.max() / per_class.min()
+    assert quota == largest_equal_total(partition, kept), "the largest equal total there is"
+
+
+def largest_equal_total(partition, kept):
+    """The largest Q by a linear programme (independent of the partitioner's
+    max flow): every slot one sample, client k takes Q in all, class c gives
+    at most kept[c]. Integer capacities make floor(LP optimum) the integer one."""
+    from scipy.optimize import linprog
+
+    drawn = [sorted({c for classes in client.classes for c in classes}) for client in partition.clients]
+    slots = np.zeros(len(kept), dtype=int)
+    for client in partition.clients:
+        for classes in client.classes:
+            slots[classes] += 1
+    pairs = [(k, c) for k, classes in enumerate(drawn) for c in classes]
+    n = len(pairs) + 1  # x_(k,c) extra samples, then Q
+    a_eq = np.zeros((len(drawn), n))
+    b_eq = np.zeros(len(drawn))
+    for i, (k, c) in enumerate(pairs):
+        a_eq[k, i] = 1
+    for k, client in enumerate(partition.clients):
+        a_eq[k, -1] = -1
+        b_eq[k] = -sum(len(classes) for classes in client.classes)
+    a_ub = np.zeros((len(kept), n))
+    for i, (k, c) in enumerate(pairs):
+        a_ub[c, i] = 1
+    b_ub = np.array(kept) - slots
+    cost = np.zeros(n)
+    cost[-1] = -1
+    result = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=[(0, None)] * n, method="highs")
+    assert result.status == 0
+    return int(np.floor(-result.fun + 1e-6))
 
 
 @PROPERTY_SETTINGS

@@ -405,8 +405,9 @@ def fcil_async(
     by_class = _indices_by_class(targets, num_classes, rng)
     order = class_order(num_classes, rng)
     shared = order[:num_shared]
+    unique = order[num_shared:]
     owned: list[list[int]] = [
-        [int(c) for c in shared] + [int(c) for c in order[num_shared + k * num_unique : num_shared + (k + 1) * num_unique]]
+        [int(c) for c in shared] + [int(c) for c in unique[k * num_unique : (k + 1) * num_unique]]
         for k in range(num_clients)
     ]
     shared_pieces = {int(c): _split_evenly(by_class[c], num_clients) for c in shared}

@@ -89,7 +89,7 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         ),
         ScenarioSpec(
             "fcil-async",
-            "asynchronous FCIL: a consensus fraction gamma of each client's classes on every client, the rest unique to it",
+            "asynchronous FCIL: a fraction gamma of each client's classes on every client, the rest unique to it",
             FcilAsyncOptions,
             lambda o, y, c, rng: partition.fcil_async(y, c, o.clients, o.tasks, o.consensus, rng, o.classes_per_client),
             "FedProK",
