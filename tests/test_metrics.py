@@ -12,6 +12,7 @@ import pytest
 from helpers import one_line_error, tiny_run_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from fedaval import hookimpl
 from fedaval.evaluation import backward_transfer, forgetting, summarise
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -225,3 +226,38 @@ def test_gldp_preset_agrees_with_its_header_and_the_paper():
     assert total == 250 and "250 rounds" in text.splitlines()[2]
     assert 0 < data["clients-per-round"] < sthfl["clients"]
     assert data["clients-per-round"] == 10 and sthfl["clients"] == 20
+
+
+def test_forgetting_when_a_stage_brings_no_class_new_to_the_federation(tmp_path):
+    """sthfl on digits, seed 0: stage 3 brings no class new to the federation
+    (the server has no experience for it); its matrix column is None and
+    forgetting and BWT come from the columns that exist."""
+    from fedaval.api import run_training
+
+    results = run_training(tiny_run_config(tmp_path / "run", scenario="sthfl", scenario_options={},
+                                           rounds_per_task=1))
+    new = [set(c) for c in results["scenario"]["federation_task_classes"]]
+    assert new[2] <= new[0] | new[1], "the setting this test needs: stage 3 adds nothing"
+    matrix = results["final"]["accuracy_matrix"]
+    assert len(matrix) == 3 and matrix[2][2] is None and None not in matrix[2][:2]
+    assert results["final"]["forgetting"] == pytest.approx(forgetting(matrix))
+    assert results["final"]["bwt"] == pytest.approx(backward_transfer(matrix))
+    assert results["final"]["forgetting"] is not None
+
+
+class ServerModel:
+    """A plugin whose federation model is neither "global" nor "clients"."""
+
+    name = "servermodel"
+
+    @hookimpl
+    def fedaval_federation_model(self, run):
+        return "server"
+
+
+def test_a_bad_federation_model_is_a_one_line_error(tmp_path):
+    from fedaval.api import run_training
+    from fedaval.errors import FedavalUsageError
+
+    with pytest.raises(FedavalUsageError, match="bad value 'server' from fedaval_federation_model; allowed: global, clients"):
+        run_training(tiny_run_config(tmp_path / "run", rounds_per_task=1), extra_plugins=[ServerModel()])
