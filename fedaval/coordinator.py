@@ -271,7 +271,7 @@ def train(
                     "mean_client_accuracy": record.get("mean_client_accuracy"),
                 })
             results["final"] = summarise(results["rounds"], matrix, results.get("federation_model", "global"))
-            log_round(run, record)
+            log_round(run, record, results["final"])
             if run.out_dir is not None:
                 if checkpoint.is_due(run, round):
                     checkpoint.save(run, results)
@@ -309,8 +309,13 @@ ROUND_SCALARS = (
 )
 
 
-def log_round(run: Run, record: dict[str, Any]) -> None:
-    """Round-level figures to TensorBoard, next to Avalanche's metrics."""
+#: ``final`` figures logged at each stage's end: the running averages over the stages so far.
+STAGE_SCALARS = ("average_accuracy", "average_client_accuracy")
+
+
+def log_round(run: Run, record: dict[str, Any], final: dict[str, Any] | None = None) -> None:
+    """Round-level figures to TensorBoard, next to Avalanche's metrics; at a
+    stage's end also the averages over the stages so far (``final``)."""
     if run.out_dir is None:
         return
     writer = run_writer(run)
@@ -320,4 +325,8 @@ def log_round(run: Run, record: dict[str, Any]) -> None:
             writer.add_scalar(f"Fed/{key}", record[key], step)
     for name, value in record["losses"].items():
         writer.add_scalar(f"Fed/{name}", value, step)
+    if record["task_end"] and final:
+        for key in STAGE_SCALARS:
+            if final.get(key) is not None:
+                writer.add_scalar(f"Fed/{key}", final[key], step)
     writer.flush()
