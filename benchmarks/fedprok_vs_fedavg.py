@@ -75,9 +75,9 @@ def run_method(label, plugins, options, args, root, runs_dir) -> dict:
         "method": label,
         "accuracy": final["accuracy"],
         "average_accuracy": final["average_accuracy"],
-        "stability": final.get("stability"),
-        "plasticity": final.get("plasticity"),
-        "utility": final.get("utility"),
+        "stability": final.get("stability_last", final.get("stability")),  # the table's "final" columns
+        "plasticity": final.get("plasticity_last", final.get("plasticity")),
+        "utility": final.get("utility_last", final.get("utility")),
         "mean_utility": sum(r["utility"] for r in task_ends) / len(task_ends) if task_ends else None,
         "s_local": sum(r["seconds_local"] for r in rounds) / n,
         "s_fusion": sum(r["seconds_fusion"] for r in rounds) / n,

@@ -128,10 +128,16 @@ def format_summary(results: dict[str, Any], out_dir: Path) -> str:
         f"plugins: {', '.join(results['plugins'])}   scenario: {results['config']['scenario']}"
         f"   dataset: {results['config']['dataset']}   tasks: {results['scenario']['num_tasks']}"
         f"   rounds: {final.get('rounds')}",
-        f"final global accuracy: {pct(final.get('accuracy'))}   average accuracy: {pct(final.get('average_accuracy'))}"
-        f"   forgetting: {pct(final.get('forgetting'))}   mean client accuracy: {pct(final.get('mean_client_accuracy'))}",
+        (
+            f"final global accuracy: {pct(final.get('accuracy'))}   average accuracy: {pct(final.get('average_accuracy'))}"
+            f"   forgetting: {pct(final.get('forgetting'))}   mean client accuracy: {pct(final.get('mean_client_accuracy'))}"
+            if final.get("federation_model", "global") == "global"
+            else f"federation model: the clients' models   final mean client accuracy: "
+            f"{pct(final.get('mean_client_accuracy'))}   average over stages: {pct(final.get('average_client_accuracy'))}"
+        ),
         f"bytes up: {final.get('bytes_up', 0):,}   bytes down: {final.get('bytes_down', 0):,}"
-        f"   seconds: {final.get('seconds', 0):.1f}   failed clients: {final.get('failed_clients', 0)}",
+        f"   seconds: {final.get('seconds', 0):.1f}   E: {final.get('efficiency') or 0:.3f} s/round"
+        f"   failed clients: {final.get('failed_clients', 0)}",
         f"run folder: {out_dir}  (tensorboard --logdir {out_dir / 'tb'})",
     ]
     return "\n".join(lines)

@@ -55,6 +55,7 @@ class RunConfig:
     augment: str = "auto"
     eval_every: int = 1
     utility_lambda: float = 0.5
+    link_mbps: float = 100.0
     device: str = "auto"
     seed: int = 0
     out: str | None = None
@@ -88,6 +89,7 @@ class RunConfig:
             ("--weight-decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
             ("--eval-every", self.eval_every, self.eval_every >= 1, ">= 1"),
             ("--utility-lambda", self.utility_lambda, 0 <= self.utility_lambda <= 1, "in [0, 1]"),
+            ("--link-mbps", self.link_mbps, self.link_mbps > 0, "> 0 (Mbit/s)"),
             ("--checkpoint-every", self.checkpoint_every, self.checkpoint_every >= 0, ">= 0 (0: never)"),
             ("--keep-checkpoints", self.keep_checkpoints, self.keep_checkpoints >= 1, ">= 1"),
             ("--on-client-failure", self.on_client_failure, self.on_client_failure in FAILURE_POLICIES,

@@ -9,16 +9,18 @@ from typing import Any, Callable
 from fedaval import checkpoint
 from fedaval.atomic import atomic_write_json
 from fedaval.backends.local import Backend, ClientRound, LocalBackend
-from fedaval.errors import RunFailure
+from fedaval.errors import FedavalUsageError, RunFailure
 from fedaval.offload import offload_idle
 from fedaval.evaluation import (
     STREAM_ACC,
     STREAM_BWT,
     STREAM_FORGETTING,
     accuracy_on,
+    backward_transfer,
     client_accuracies,
     continual_utility,
     exp_acc_key,
+    forgetting,
     mean_or_none,
     run_writer,
     scalar,
@@ -72,11 +74,14 @@ def run_round(run: Run, round: int, backend: Backend | None = None) -> dict[str,
        ``fedaval_server_fuse(run, uploads, round)``, whose entries join the next
        download; at the last round of a stage, then
        ``fedaval_server_task_end(run, task)``
-    4. on the evaluation schedule: the global model and the clients trained
-       since their last evaluation are evaluated with Avalanche's metrics
-       (``fedaval_classify(..., training=False)``; each client's evaluation
-       inside ``fedaval_client_evaluate(run, client)``); then
-       ``fedaval_round_metrics(run, round)``
+    4. on the evaluation schedule: the clients trained since their last
+       evaluation (each inside ``fedaval_client_evaluate(run, client)``) and,
+       unless ``fedaval_federation_model`` says the federation's model is the
+       clients' models, the global model are evaluated with Avalanche's
+       metrics (``fedaval_classify(..., training=False)``); then
+       ``fedaval_round_metrics(run, round)``. Every round records its
+       computation seconds (local training + fusion, no evaluation) and its
+       communication seconds (bytes up + down at ``--link-mbps``).
 
     Rounds are numbered from 1. Set-up hooks (``fedaval_setup``,
     ``fedaval_make_model``, ``fedaval_shared_keys``,
@@ -130,6 +135,10 @@ def run_round(run: Run, round: int, backend: Backend | None = None) -> dict[str,
     offload_idle(run, round)
     record["seconds_local"] = seconds_local
     record["seconds_fusion"] = seconds_fusion
+    record["seconds_computation"] = seconds_local + seconds_fusion
+    record["seconds_communication"] = communication_seconds(
+        record["bytes_up"] + record["bytes_down"], run.config.link_mbps
+    )
     record["seconds_eval"] = time.perf_counter() - eval_start
     record["seconds"] = time.perf_counter() - start
     return record
@@ -146,52 +155,88 @@ def client_extras(run: Run, client_id: int, download: dict[str, Any]) -> dict[st
     if clash:
         raise RuntimeError(f"fedaval_server_download may not replace broadcast entries: {', '.join(clash)}")
     return extra
+def communication_seconds(nbytes: int, link_mbps: float) -> float:
+    """Seconds to send ``nbytes`` one after another over one link of
+    ``link_mbps`` Mbit/s (10^6 bits per second): FedProK's tau1 of a round."""
+    return nbytes * 8 / (link_mbps * 1e6)
+
+
+FEDERATION_MODELS = ("global", "clients")
+
+
+def federation_model(run: Run) -> str:
+    """What the run's methods call the federation's model
+    (``fedaval_federation_model``): ``"global"`` or ``"clients"``."""
+    value = run.hook.fedaval_federation_model(run=run)
+    if value not in FEDERATION_MODELS:
+        raise FedavalUsageError(
+            f"bad value {value!r} from fedaval_federation_model; allowed: {', '.join(FEDERATION_MODELS)}"
+        )
+    return value
+
+
+#: Round keys that describe the global model; ``None`` when the federation's
+#: model is the clients' models.
+GLOBAL_MODEL_KEYS = (
+    "global_accuracy", "global_task_accuracy", "avalanche_forgetting", "avalanche_bwt",
+    "a_glo", "stability", "plasticity", "utility",
+)
 
 
 def evaluate(run: Run, round: int) -> dict[str, Any]:
     """The round's evaluation, for every method.
 
-    Avalanche metrics: the global model on every class the federation has
-    seen (accuracy per task, stream accuracy, forgetting, BWT); each client's
-    model on its own seen classes (clients not trained since their last
-    evaluation keep their last result).
+    The clients' models, each on its own seen classes (Avalanche's metrics;
+    clients not trained since their last evaluation keep their last result):
+    ``client_accuracy``, their mean ``mean_client_accuracy`` (= GLDP's
+    ``a_loc``), and ``a_sel`` the same mean over the clients sampled this round.
 
-    From the global model's predictions in that evaluation (the test samples
-    of every class seen so far):
+    The global model, on every class the federation has seen - only when the
+    federation's model is a global model (``fedaval_federation_model``
+    returns ``"global"``, the default); otherwise these keys are ``None``
+    and the server's model is not evaluated:
 
+    * ``global_accuracy`` (Avalanche's stream accuracy) and
+      ``global_task_accuracy`` (accuracy on each stage's new classes, the
+      accuracy-matrix row); ``avalanche_forgetting`` / ``avalanche_bwt``:
+      Avalanche's ``StreamForgetting`` / ``StreamBWT``;
     * ``a_glo`` (GLDP): mean over clients of the global model's accuracy on
       the classes that client has seen;
     * ``stability`` / ``plasticity`` (FedProK): global accuracy on the classes
       of earlier stages / of the current stage; ``utility`` = lambda *
       stability + (1 - lambda) * plasticity (``--utility-lambda``).
 
-    ``a_loc`` is the mean of the clients' own accuracies (GLDP's A_loc) and
-    ``a_sel`` the same over the clients sampled this round."""
-    metrics = run.server.evaluate()
-    per_task = [scalar(metrics, exp_acc_key(t)) for t in range(run.task + 1)]
+    ``forgetting`` and ``bwt`` are added by :func:`train`, from the accuracy
+    matrix."""
+    record: dict[str, Any] = dict.fromkeys(GLOBAL_MODEL_KEYS)
+    if federation_model(run) == "global":  # the server first, then the clients
+        metrics = run.server.evaluate()
+        predicted, labels = run.server.predictions.predictions()  # from the evaluation above
+        new = run.federation_new_classes()
+        earlier = [c for t in range(run.task) for c in new[t]]
+        stability = accuracy_on(predicted, labels, earlier)
+        plasticity = accuracy_on(predicted, labels, new[run.task])
+        record.update(
+            global_accuracy=scalar(metrics, STREAM_ACC),
+            global_task_accuracy=[scalar(metrics, exp_acc_key(t)) for t in range(run.task + 1)],
+            avalanche_forgetting=scalar(metrics, STREAM_FORGETTING),
+            avalanche_bwt=scalar(metrics, STREAM_BWT),
+            a_glo=mean_or_none(
+                accuracy_on(predicted, labels, c.seen_classes()) for c in run.clients if c.tasks_started
+            ),
+            stability=stability,
+            plasticity=plasticity,
+            utility=continual_utility(stability, plasticity, run.config.utility_lambda),
+        )
     client_acc = client_accuracies(run, round)
-    predicted, labels = run.server.predictions.predictions()  # from the evaluation above
-    new = run.federation_new_classes()
-    earlier = [c for t in range(run.task) for c in new[t]]
-    stability = accuracy_on(predicted, labels, earlier)
-    plasticity = accuracy_on(predicted, labels, new[run.task])
     sampled = set(run.schedule[round - 1])
-    return {
-        "global_accuracy": scalar(metrics, STREAM_ACC),
-        "global_task_accuracy": per_task,
-        "forgetting": scalar(metrics, STREAM_FORGETTING),
-        "bwt": scalar(metrics, STREAM_BWT),
-        "client_accuracy": {str(k): v for k, v in client_acc.items()},
-        "mean_client_accuracy": mean_or_none(client_acc.values()),
-        "a_glo": mean_or_none(
-            accuracy_on(predicted, labels, c.seen_classes()) for c in run.clients if c.tasks_started
-        ),
-        "a_loc": mean_or_none(client_acc.values()),
-        "a_sel": mean_or_none(v for k, v in client_acc.items() if k in sampled),
-        "stability": stability,
-        "plasticity": plasticity,
-        "utility": continual_utility(stability, plasticity, run.config.utility_lambda),
-    }
+    record.update(
+        client_accuracy={str(k): v for k, v in client_acc.items()},
+        mean_client_accuracy=mean_or_none(client_acc.values()),
+        a_loc=mean_or_none(client_acc.values()),
+        a_sel=mean_or_none(v for k, v in client_acc.items() if k in sampled),
+    )
+    return record
 
 
 def new_results(run: Run) -> dict[str, Any]:
@@ -203,8 +248,10 @@ def new_results(run: Run) -> dict[str, Any]:
             "federation_task_classes": run.federation_task_classes(),
             "client_task_classes": [c.classes for c in run.partition.clients],
             "client_task_samples": [[len(i) for i in c.indices] for c in run.partition.clients],
+            **run.partition.summary,  # sthfl: samples_per_client, data_fraction_used, effective_imbalance
         },
         "plugins": run.plugins.names,
+        "federation_model": federation_model(run),
         "rounds": [],
         "tasks": [],
         "final": None,
@@ -251,13 +298,22 @@ def _train(
                 record = run_round(run, round, backend)
             except RunFailure as exc:
                 raise RunFailure(f"{exc}{resume_hint(run)}") from exc
+            if "mean_client_accuracy" in record:  # evaluated: forgetting and BWT so far
+                rows = [*matrix, record["global_task_accuracy"]]
+                record["forgetting"] = forgetting(rows)
+                record["bwt"] = backward_transfer(rows)
             results["rounds"].append(record)
             if record["task_end"]:
-                row = record.get("global_task_accuracy", [])
+                row = record.get("global_task_accuracy")
                 matrix.append(row)
-                results["tasks"].append({"task": task, "accuracy": row, "global_accuracy": record.get("global_accuracy")})
-            results["final"] = summarise(results["rounds"], matrix)
-            log_round(run, record)
+                results["tasks"].append({
+                    "task": task,
+                    "accuracy": row,
+                    "global_accuracy": record.get("global_accuracy"),
+                    "mean_client_accuracy": record.get("mean_client_accuracy"),
+                })
+            results["final"] = summarise(results["rounds"], matrix, results.get("federation_model", "global"))
+            log_round(run, record, results["final"])
             if run.out_dir is not None:
                 if checkpoint.is_due(run, round):
                     checkpoint.save(run, results)
@@ -289,12 +345,19 @@ def resume_hint(run: Run) -> str:
 
 ROUND_SCALARS = (
     "bytes_up", "bytes_down", "seconds", "seconds_local", "seconds_fusion", "seconds_eval",
+    "seconds_computation", "seconds_communication",
+    "global_accuracy", "mean_client_accuracy", "forgetting", "bwt",
     "a_glo", "a_loc", "a_sel", "stability", "plasticity", "utility",
 )
 
 
-def log_round(run: Run, record: dict[str, Any]) -> None:
-    """Round-level figures to TensorBoard, next to Avalanche's metrics."""
+#: ``final`` figures logged at each stage's end: the running averages over the stages so far.
+STAGE_SCALARS = ("average_accuracy", "average_client_accuracy")
+
+
+def log_round(run: Run, record: dict[str, Any], final: dict[str, Any] | None = None) -> None:
+    """Round-level figures to TensorBoard, next to Avalanche's metrics; at a
+    stage's end also the averages over the stages so far (``final``)."""
     if run.out_dir is None:
         return
     writer = run_writer(run)
@@ -304,4 +367,8 @@ def log_round(run: Run, record: dict[str, Any]) -> None:
             writer.add_scalar(f"Fed/{key}", record[key], step)
     for name, value in record["losses"].items():
         writer.add_scalar(f"Fed/{name}", value, step)
+    if record["task_end"] and final:
+        for key in STAGE_SCALARS:
+            if final.get(key) is not None:
+                writer.add_scalar(f"Fed/{key}", final[key], step)
     writer.flush()

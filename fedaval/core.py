@@ -10,9 +10,10 @@ from fedaval import hookimpl
 
 
 class CorePlugin:
-    """Default model (``--model``), local training (one Avalanche ``train()``
-    call per round) with the cross-entropy as its base loss, and a client's
-    evaluation (Avalanche's metrics on its seen classes)."""
+    """Default model (``--model``), federation model (``"global"``), local
+    training (one Avalanche ``train()`` call per round) with the
+    cross-entropy as its base loss, and a client's evaluation (Avalanche's
+    metrics on its seen classes)."""
 
     name = "core"
 
@@ -21,6 +22,10 @@ class CorePlugin:
         from fedaval.models import build_model
 
         return build_model(run.config.model, run.data.input_shape, run.num_classes)
+
+    @hookimpl(trylast=True)
+    def fedaval_federation_model(self, run):
+        return "global"
 
     @hookimpl(trylast=True)
     def fedaval_client_train(self, run, client, round):

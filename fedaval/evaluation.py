@@ -151,32 +151,108 @@ def scalar(metrics: dict[str, Any], key: str) -> float | None:
     return None if math.isnan(value) else value
 
 
-def summarise(rounds: list[dict[str, Any]], matrix: list[list[float | None]]) -> dict[str, Any]:
-    """The ``final`` block of results.json.
+def forgetting(matrix: list[list[float | None] | None]) -> float | None:
+    """Average forgetting (the "forgetting measure" of Chaudhry et al.,
+    "Riemannian Walk for Incremental Learning", ECCV 2018) from an accuracy
+    matrix: ``matrix[l][j]`` is the accuracy on the
+    classes of stage j after stage l (rows grow by one column per stage;
+    ``None`` where stage j brought no class new to the federation). With T
+    the last row,
 
-    * ``accuracy``: global accuracy on all classes seen, after the last round;
-    * ``average_accuracy``: mean over tasks of that accuracy at each task's end
-      (average incremental accuracy);
-    * ``forgetting``: Avalanche's stream forgetting at the end (mean over past
-      tasks of best-at-the-time minus final accuracy);
-    * totals of bytes and seconds."""
-    evaluated = [r for r in rounds if r.get("global_accuracy") is not None]
+        f_j = max over l < T of a[l][j]  -  a[T][j],     F = mean over j < T of f_j,
+
+    over the columns j that have a value in the last row and in an earlier
+    one. ``None`` with fewer than two rows or no such column."""
+    rows = [r for r in matrix if r is not None]
+    if len(rows) < 2:
+        return None
+    last = rows[-1]
+    drops = []
+    for j in range(len(last) - 1):
+        earlier = [r[j] for r in rows[:-1] if j < len(r) and r[j] is not None]
+        if last[j] is not None and earlier:
+            drops.append(max(earlier) - last[j])
+    return mean_or_none(drops)
+
+
+def backward_transfer(matrix: list[list[float | None] | None]) -> float | None:
+    """Backward transfer (Lopez-Paz and Ranzato, "Gradient Episodic Memory
+    for Continual Learning", NeurIPS 2017): BWT = mean over j < T of a[T][j] - a[j][j], over the
+    columns with both values (``None`` entries, see :func:`forgetting`, are
+    skipped). Negative: forgetting. ``None`` when no column qualifies."""
+    rows = [r for r in matrix if r is not None]
+    if len(rows) < 2:
+        return None
+    last = rows[-1]
+    return mean_or_none(
+        last[j] - rows[j][j]
+        for j in range(min(len(last) - 1, len(rows) - 1))
+        if last[j] is not None and j < len(rows[j]) and rows[j][j] is not None
+    )
+
+
+def _mean_of(rounds: list[dict[str, Any]], key: str) -> float | None:
+    return mean_or_none(r.get(key) for r in rounds)
+
+
+def summarise(
+    rounds: list[dict[str, Any]], matrix: list[list[float | None] | None], federation_model: str = "global"
+) -> dict[str, Any]:
+    """The ``final`` block of results.json. Global-model figures are ``None``
+    for a method whose federation model is its clients' models
+    (``federation_model == "clients"``, see
+    :func:`fedaval.hookspecs.fedaval_federation_model`).
+
+    * ``accuracy``: global model's accuracy on every class seen, after the
+      last evaluated round;
+    * ``average_accuracy``: mean over stages of that accuracy at each stage's
+      end (average incremental accuracy, Rebuffi et al. 2017);
+    * ``forgetting`` / ``bwt``: :func:`forgetting` and
+      :func:`backward_transfer` of ``accuracy_matrix``;
+      ``avalanche_forgetting`` / ``avalanche_bwt``: Avalanche's
+      ``StreamForgetting`` / ``StreamBWT`` at the last evaluation;
+    * ``mean_client_accuracy``: mean of the clients' own accuracies after the
+      last evaluated round; ``average_client_accuracy``: its mean over the
+      stages' ends;
+    * ``a_glo``, ``a_loc``: at the last evaluated round (GLDP);
+    * ``utility``, ``stability``, ``plasticity``: means over the evaluated
+      rounds where U is defined (a previous stage exists), FedProK's
+      "averaged accuracy during the entire training"; ``*_last``: the last
+      evaluated round's values;
+    * ``efficiency``: FedProK's E = (tau1 + tau2) / R, seconds per round:
+      ``efficiency_computation`` (clients' local training plus fusion, no
+      evaluation) plus ``efficiency_communication`` (bytes sent at
+      ``--link-mbps``);
+    * totals of bytes and seconds (``seconds`` includes evaluation)."""
+    evaluated = [r for r in rounds if "mean_client_accuracy" in r]
     task_ends = [r for r in evaluated if r.get("task_end")]
     last = evaluated[-1] if evaluated else {}
+    with_utility = [r for r in evaluated if r.get("utility") is not None]
+    own_matrix = None if all(row is None for row in matrix) else matrix
+    compute = _mean_of(rounds, "seconds_computation")
+    communication = _mean_of(rounds, "seconds_communication")
     return {
+        "federation_model": federation_model,
         "accuracy": last.get("global_accuracy"),
-        "average_accuracy": (
-            sum(r["global_accuracy"] for r in task_ends) / len(task_ends) if task_ends else None
-        ),
-        "forgetting": last.get("forgetting"),
-        "bwt": last.get("bwt"),
+        "average_accuracy": mean_or_none(r.get("global_accuracy") for r in task_ends),
+        "forgetting": forgetting(matrix),
+        "bwt": backward_transfer(matrix),
+        "avalanche_forgetting": last.get("avalanche_forgetting"),
+        "avalanche_bwt": last.get("avalanche_bwt"),
         "mean_client_accuracy": last.get("mean_client_accuracy"),
+        "average_client_accuracy": mean_or_none(r.get("mean_client_accuracy") for r in task_ends),
         "a_glo": last.get("a_glo"),
         "a_loc": last.get("a_loc"),
-        "utility": last.get("utility"),
-        "stability": last.get("stability"),
-        "plasticity": last.get("plasticity"),
-        "accuracy_matrix": matrix,
+        "utility": _mean_of(with_utility, "utility"),
+        "stability": _mean_of(with_utility, "stability"),
+        "plasticity": _mean_of(with_utility, "plasticity"),
+        "utility_last": last.get("utility"),
+        "stability_last": last.get("stability"),
+        "plasticity_last": last.get("plasticity"),
+        "accuracy_matrix": own_matrix,
+        "efficiency": None if compute is None or communication is None else compute + communication,
+        "efficiency_computation": compute,
+        "efficiency_communication": communication,
         "bytes_up": sum(r["bytes_up"] for r in rounds),
         "bytes_down": sum(r["bytes_down"] for r in rounds),
         "seconds": sum(r["seconds"] for r in rounds),

@@ -293,3 +293,26 @@ def fedaval_client_evaluate(run: Run, client: Client) -> dict[str, Any]:
 def fedaval_round_metrics(run: Run, round: int) -> dict[str, float] | None:
     """Extra scalar metrics for round ``round``, recorded in results.json and
     TensorBoard next to the core's. Every plugin is called; dicts are merged."""
+
+
+# ---------------------------------------------------------------------------
+# run-wide: what the federation's model is (read by the evaluation)
+# ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def fedaval_federation_model(run: Run) -> str | None:
+    """What the federation learns: ``"global"`` (a global model on the
+    server, the default) or ``"clients"`` (the clients' own models, for
+    methods that average no weights and never train the server's model,
+    PFCL's prototypes-only federation say).
+
+    With ``"clients"`` the server's model is not evaluated: every
+    global-model figure in results.json, TensorBoard and ``fedaval report``
+    (``global_accuracy``, ``average_accuracy``, ``a_glo``, ``forgetting``,
+    ``bwt``, stability, plasticity, utility, the accuracy matrix) is ``None``
+    and the method is judged by its clients' accuracy
+    (``mean_client_accuracy`` per evaluated round, ``average_client_accuracy``
+    over the stages' ends). Called at set-up and at every evaluation. Stops at
+    the first non-None result; the core's default (``trylast``) is
+    ``"global"``."""

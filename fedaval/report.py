@@ -12,7 +12,11 @@ group and metric the table shows the mean and the sample standard deviation
 (``n - 1`` in the denominator, as ``statistics.stdev``; blank for one run).
 A metric no run of a group recorded is blank; a column no group has is left
 out (``A_glo``, ``A_loc`` and ``utility`` appear only for runs whose rounds
-carry ``a_glo``, ``a_loc`` or ``utility``).
+carry ``a_glo``, ``a_loc`` or ``utility``). Global-model columns (final
+and average accuracy, forgetting, BWT, A_glo, utility) are blank for a
+method whose federation model is its clients' models (PFCL); its figures are
+``client acc`` (last evaluation) and ``avg client acc`` (mean over the
+stages' ends). What each column is, with its source: docs/report.md.
 """
 
 from __future__ import annotations
@@ -82,9 +86,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("final_accuracy", "final acc", _final("accuracy"), "percent"),
     Metric("average_accuracy", "avg acc", _final("average_accuracy"), "percent"),
     Metric("forgetting", "forgetting", _final("forgetting"), "percent"),
+    Metric("bwt", "BWT", _final("bwt"), "percent"),
+    Metric("client_accuracy", "client acc", _final("mean_client_accuracy"), "percent"),
+    Metric("average_client_accuracy", "avg client acc", _final("average_client_accuracy"), "percent"),
     Metric("a_glo", "A_glo", _last_round_value("a_glo"), "percent"),
     Metric("a_loc", "A_loc", _last_round_value("a_loc"), "percent"),
     Metric("utility", "utility", _last_round_value("utility"), "percent"),
+    Metric("efficiency", "E s/round", _final("efficiency"), "seconds"),
     Metric("bytes_up_per_round", "up/round", _per_round("bytes_up"), "bytes"),
     Metric("bytes_down_per_round", "down/round", _per_round("bytes_down"), "bytes"),
     Metric("seconds_per_round", "s/round", _per_round("seconds"), "seconds"),
@@ -389,8 +397,9 @@ def task_boundaries(results: dict[str, Any]) -> list[int]:
 
 
 def plot_accuracy_over_rounds(groups: list[Group], path: Path) -> Path:
-    """Global accuracy (all classes seen so far) at every evaluated round, one
-    curve per run, one colour per group and one line style per seed; dotted
+    """Global accuracy (all classes seen so far) at every evaluated round (the
+    clients' mean accuracy for a method whose federation model is its
+    clients' models), one curve per run, one colour per group and one line style per seed; dotted
     grey lines between tasks."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
@@ -401,21 +410,22 @@ def plot_accuracy_over_rounds(groups: list[Group], path: Path) -> Path:
     boundaries: set[int] = set()
     for i, group in enumerate(groups):
         for j, run in enumerate(group.runs):
+            key = "mean_client_accuracy" if run.results.get("federation_model") == "clients" else "global_accuracy"
             points = [
-                (r["round"], 100 * r["global_accuracy"])
-                for r in run.results.get("rounds") or []
-                if _number(r.get("global_accuracy")) is not None
+                (r["round"], 100 * r[key]) for r in run.results.get("rounds") or [] if _number(r.get(key)) is not None
             ]
             boundaries.update(task_boundaries(run.results))
             if not points:
                 continue
             label = f"{group.method} {group.label} s{run.seed}".replace("  ", " ")
+            if key != "global_accuracy":
+                label += " (clients' mean)"
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker=".", color=colours[i % len(colours)], linestyle=styles[j % len(styles)], label=label)
     for b in sorted(boundaries):
         ax.axvline(b + 0.5, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("federated round (dotted: new task)")
-    ax.set_ylabel("global accuracy on classes seen (%)")
+    ax.set_ylabel("accuracy on classes seen (%)")
     ax.set_ylim(0, 100)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
@@ -487,8 +497,9 @@ def write_report(paths: list[str | Path], out_dir: str | Path = ".", figures: bo
         for run in runs:
             images.append(plot_accuracy_matrix(run, out / f"matrix-{_file_name(run.name)}.png"))
     legend = (
-        "Accuracies, forgetting and utility in %, mean ± sample standard deviation over the runs "
-        "of a row (runs that differ only in seed); bytes and seconds per federated round."
+        "Accuracies, forgetting, BWT and utility in %, mean ± sample standard deviation over the runs "
+        "of a row (runs that differ only in seed); E (computation + communication), bytes and seconds "
+        "per federated round. Definitions: docs/report.md."
     )
     md = ["# fedaval report", "", table, "", legend, ""]
     md += [f"![{p.stem}]({p.name})" for p in images]

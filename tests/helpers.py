@@ -6,10 +6,13 @@ from fedaval import hookimpl
 
 
 def strip_timing(obj):
-    """results.json without wall-clock figures and the run folder: what two
+    """results.json without wall-clock figures (``seconds*``, ``efficiency*``)
+    and the run folder: what two
     runs with the same seed must agree on."""
     if isinstance(obj, dict):
-        return {k: strip_timing(v) for k, v in obj.items() if not k.startswith("seconds") and k != "out"}
+        return {
+            k: strip_timing(v) for k, v in obj.items() if not k.startswith(("seconds", "efficiency")) and k != "out"
+        }
     if isinstance(obj, list):
         return [strip_timing(v) for v in obj]
     return obj

@@ -123,6 +123,10 @@ class Recorder:
         return result
 
     @hookimpl
+    def fedaval_federation_model(self, run):
+        return None  # the core's "global" decides
+
+    @hookimpl
     def fedaval_teardown(self, run):
         self._add("teardown")
 

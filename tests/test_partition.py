@@ -45,6 +45,52 @@ def test_sthfl_promises():
     assert counts.max() / counts.min() == pytest.approx(10, rel=0.01)
 
 
+def new_class_per_stage(part) -> list[bool]:
+    """For every client-stage: does it bring a class new to its client?"""
+    flags = []
+    for client in part.clients:
+        seen = set()
+        for classes in client.classes:
+            flags.append(bool(set(classes) - seen))
+            seen |= set(classes)
+    return flags
+
+
+def test_sthfl_gldp_cifar10_setting():
+    """[20,4,5], IF 50 on CIFAR-10-like labels (5000 per class). Before: about
+    20% of client-stages brought no new class, 40% of the long-tailed set was
+    cut away and the effective IF fell to about 44 (10 seeds)."""
+    targets = balanced_targets(10, 5000)
+    for seed in range(3):
+        part = P.sthfl(targets, 10, 20, 4, 5, 50, np.random.default_rng(seed))
+        assert all(new_class_per_stage(part))
+        totals = {sum(len(i) for i in c.indices) for c in part.clients}
+        assert totals == {part.summary["samples_per_client"]}
+        used = part.all_indices()
+        long_tail = P.long_tail_counts(5000, 10, 50).sum()
+        assert part.summary["data_fraction_used"] == pytest.approx(len(used) / long_tail)
+        assert part.summary["data_fraction_used"] > 0.99
+        per_class = np.bincount(targets[used], minlength=10)
+        assert part.summary["effective_imbalance"] == pytest.approx(per_class.max() / per_class.min())
+        assert part.summary["effective_imbalance"] == pytest.approx(50, rel=0.01)
+
+
+def test_sthfl_needs_room_for_a_new_class_per_stage():
+    with pytest.raises(FedavalUsageError, match="need 6 classes; the dataset has 5"):
+        P.sthfl(balanced_targets(5, 100), 5, 2, 2, 5, 1, np.random.default_rng(0))
+
+
+def test_equal_totals_by_hand():
+    """Client 0 drew classes {0, 1}, client 1 drew {1}; classes have 10 and 4
+    samples; class 1 has two slots (one per client), each needs a sample.
+    Client 1 can get at most 4 - 1 = 3 (client 0's slot keeps one), so Q = 3:
+    client 1 takes all 3 left of class 1, client 0 one of class 1 (its slot)
+    and two of class 0."""
+    quota, extra = P.equal_totals([2, 1], [{0, 1}, {1}], np.array([1, 2]), np.array([10, 4]))
+    assert quota == 3
+    assert extra.tolist() == [[1, 0], [0, 2]]  # beyond the one sample per slot
+
+
 def test_sthfl_same_seed_same_partition():
     targets = balanced_targets(10, 50)
     a = P.sthfl(targets, 10, 4, 2, 3, 5, np.random.default_rng(7))
@@ -73,16 +119,52 @@ def test_fcil_sync_dirichlet_concentrates_with_small_alpha():
     assert max_share(100.0) < 0.3  # near-uniform split over 5 clients
 
 
+def held_classes(part):
+    return [set(c for task in client.classes for c in task) for client in part.clients]
+
+
+@pytest.mark.parametrize("consensus, common, unique", [(0.2, 10, 40), (0.5, 25, 25)])
+def test_fcil_async_consensus_is_a_fraction_of_each_clients_classes(consensus, common, unique):
+    """FedProK: 50 classes per client, gamma 0.2 -> 10 common + 40 unique; 0.5 -> 25 + 25."""
+    targets = balanced_targets(100, 5)  # CIFAR-100-like labels
+    part = P.fcil_async(targets, 100, num_clients=2, num_tasks=5, consensus=consensus,
+                        rng=np.random.default_rng(0), classes_per_client=50)
+    assert_disjoint(part)
+    held = held_classes(part)
+    assert [len(h) for h in held] == [50, 50]
+    assert len(set.intersection(*held)) == common
+    assert [len(h - set.intersection(*held)) for h in held] == [unique, unique]
+    assert all(len(task) == 10 for client in part.clients for task in client.classes)
+    used = set.union(*held)
+    assert len(part.all_indices()) == int(np.isin(targets, list(used)).sum())  # every sample of a used class once
+
+
+def test_fcil_async_default_uses_as_many_classes_as_possible():
+    """classes_per_client=0: the largest m with round(gamma*m) + clients*(m - round(gamma*m)) <= C."""
+    targets = balanced_targets(100, 5)
+    part = P.fcil_async(targets, 100, num_clients=3, num_tasks=5, consensus=0.5, rng=np.random.default_rng(0))
+    held = held_classes(part)
+    # m = 50: 25 common + 3 x 25 unique = 100 classes (m = 51: 26 + 3 x 25 = 101)
+    assert [len(h) for h in held] == [50, 50, 50] and len(set.intersection(*held)) == 25
+    assert len(part.all_indices()) == len(targets)
+
+
 def test_fcil_async_consensus_fraction():
     targets = balanced_targets(10, 20)
-    part = P.fcil_async(targets, 10, num_clients=3, num_tasks=2, consensus=0.4, rng=np.random.default_rng(0))
+    part = P.fcil_async(targets, 10, num_clients=3, num_tasks=2, consensus=0.5, rng=np.random.default_rng(0))
     assert_disjoint(part)
-    assert len(part.all_indices()) == len(targets)
-    held = [set(c for task in client.classes for c in task) for client in part.clients]
+    held = held_classes(part)
     common = set.intersection(*held)
-    assert len(common) == 4  # round(0.4 * 10)
-    for c in set(range(10)) - common:
+    # m = 4: 2 common + 3 x 2 unique = 8 of 10 classes (m = 5: 3 + 3 x 2 = 9, m = 6: 3 + 3 x 3 = 12 > 10)
+    assert [len(h) for h in held] == [5, 5, 5] and len(common) == 3
+    for c in set.union(*held) - common:
         assert sum(c in h for h in held) == 1  # every other class on exactly one client
+
+
+def test_fcil_async_paper_setting_too_big_for_the_dataset():
+    """FedProK's 3 clients x 50 classes at gamma 0.2 need 10 + 3 x 40 = 130 classes."""
+    with pytest.raises(FedavalUsageError, match="needs 130 classes, the dataset has 100; allowed 1..38"):
+        P.fcil_async(balanced_targets(100, 2), 100, 3, 5, 0.2, np.random.default_rng(0), classes_per_client=50)
 
 
 def test_fcl_random_lengths_and_sharing():

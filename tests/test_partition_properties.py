@@ -66,9 +66,12 @@ seeds = st.integers(0, 2**16)
 @PROPERTY_SETTINGS
 @given(labels(), st.integers(-1, 6), st.integers(0, 14), st.integers(-1, 5), st.floats(0.5, 60), seeds)
 def test_sthfl(data, clients, classes_per_task, tasks, imbalance, seed):
+    from fedaval.scenarios.partition import long_tailed
+
     values = dict(clients=clients, classes_per_task=classes_per_task, tasks=tasks, imbalance=imbalance)
     targets, num_classes, options, partition, error = run_or_error("sthfl", values, data, seed)
-    valid = clients >= 1 and tasks >= 1 and 1 <= classes_per_task <= num_classes and imbalance >= 1
+    valid = (clients >= 1 and tasks >= 1 and 1 <= classes_per_task <= num_classes and imbalance >= 1
+             and classes_per_task + tasks - 1 <= num_classes)
     if error is not None:
         # the one data-dependent refusal: too few samples of a class for the stages that drew it
         assert not valid or "imbalance factor" in str(error)
@@ -81,6 +84,59 @@ def test_sthfl(data, clients, classes_per_task, tasks, imbalance, seed):
     for client in partition.clients:
         assert client.num_tasks == tasks
         assert all(len(classes) == classes_per_task for classes in client.classes)
+        seen = set()
+        for classes, idx in zip(client.classes, client.indices):
+            assert set(classes) - seen, "every client-stage brings a class new to its client"
+            assert set(np.unique(targets[idx]).tolist()) == set(classes), "every drawn class has samples"
+            seen |= set(classes)
+    # as much data as equal totals allow: at least what splitting every class
+    # evenly over its slots and cutting to the smallest client gives (the old rule)
+    kept = [len(k) for k in long_tailed(targets, num_classes, imbalance, np.random.default_rng(seed))]
+    slots = np.zeros(num_classes, dtype=int)
+    for client in partition.clients:
+        for classes in client.classes:
+            slots[classes] += 1
+    even_split = min(sum(kept[c] // slots[c] for classes in client.classes for c in classes)
+                     for client in partition.clients)
+    used = partition.all_indices()
+    quota = totals.pop()
+    assert quota == partition.summary["samples_per_client"] >= even_split
+    assert partition.summary["data_fraction_used"] == len(used) / sum(kept)
+    per_class = np.bincount(targets[used], minlength=num_classes)
+    per_class = per_class[per_class > 0]
+    assert partition.summary["effective_imbalance"] == per_class.max() / per_class.min()
+    assert quota == largest_equal_total(partition, kept), "the largest equal total there is"
+
+
+def largest_equal_total(partition, kept):
+    """The largest Q by a linear programme (independent of the partitioner's
+    max flow): every slot one sample, client k takes Q in all, class c gives
+    at most kept[c]. Integer capacities make floor(LP optimum) the integer one."""
+    from scipy.optimize import linprog
+
+    drawn = [sorted({c for classes in client.classes for c in classes}) for client in partition.clients]
+    slots = np.zeros(len(kept), dtype=int)
+    for client in partition.clients:
+        for classes in client.classes:
+            slots[classes] += 1
+    pairs = [(k, c) for k, classes in enumerate(drawn) for c in classes]
+    n = len(pairs) + 1  # x_(k,c) extra samples, then Q
+    a_eq = np.zeros((len(drawn), n))
+    b_eq = np.zeros(len(drawn))
+    for i, (k, c) in enumerate(pairs):
+        a_eq[k, i] = 1
+    for k, client in enumerate(partition.clients):
+        a_eq[k, -1] = -1
+        b_eq[k] = -sum(len(classes) for classes in client.classes)
+    a_ub = np.zeros((len(kept), n))
+    for i, (k, c) in enumerate(pairs):
+        a_ub[c, i] = 1
+    b_ub = np.array(kept) - slots
+    cost = np.zeros(n)
+    cost[-1] = -1
+    result = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=[(0, None)] * n, method="highs")
+    assert result.status == 0
+    return int(np.floor(-result.fun + 1e-6))
 
 
 @PROPERTY_SETTINGS
@@ -102,22 +158,32 @@ def test_fcil_sync(data, clients, tasks, alpha, seed):
 
 
 @PROPERTY_SETTINGS
-@given(labels(), st.integers(-1, 6), st.integers(-1, 8), st.floats(-0.2, 1.2), seeds)
-def test_fcil_async(data, clients, tasks, consensus, seed):
-    values = dict(clients=clients, tasks=tasks, consensus=consensus)
+@given(labels(), st.integers(-1, 6), st.integers(-1, 8), st.floats(-0.2, 1.2), st.integers(-1, 12), seeds)
+def test_fcil_async(data, clients, tasks, consensus, classes_per_client, seed):
+    from fedaval.scenarios.partition import consensus_split, fcil_async_max_classes_per_client
+
+    values = dict(clients=clients, tasks=tasks, consensus=consensus, classes_per_client=classes_per_client)
     targets, num_classes, options, partition, error = run_or_error("fcil-async", values, data, seed)
     if error is not None:
-        assert_one_line_error(error, clients, tasks, consensus)
-        if clients >= 1 and tasks >= 1 and 0 <= consensus <= 1:
-            assert "a client holds only" in str(error)  # more tasks than a client has classes
+        assert_one_line_error(error, clients, tasks, consensus, classes_per_client)
         return
-    assert clients >= 1 and tasks >= 1 and 0 <= consensus <= 1
+    assert clients >= 1 and tasks >= 1 and 0 <= consensus <= 1 and classes_per_client >= 0
     check_common(partition, targets, clients)
-    assert len(partition.all_indices()) == len(targets), "every sample is used"
+    m = classes_per_client or fcil_async_max_classes_per_client(num_classes, clients, consensus)
+    common, unique = consensus_split(m, consensus)
     held = [{c for group in client.classes for c in group} for client in partition.clients]
+    assert all(len(h) == m for h in held), "every client holds m classes"
     shared = set.intersection(*held)
     if clients > 1:
-        assert len(shared) == int(round(consensus * num_classes))
+        assert len(shared) == common, "gamma is the fraction of a client's classes held by every client"
+        for h in held:
+            assert all(sum(c in other for other in held) == 1 for c in h - shared)
+    used = set.union(*held)
+    assert len(used) == common + clients * unique <= num_classes
+    if classes_per_client == 0:  # as many classes as the dataset allows
+        bigger = consensus_split(m + 1, consensus)
+        assert bigger[0] + clients * bigger[1] > num_classes
+    assert len(partition.all_indices()) == class_samples(targets, used), "every sample of a used class is used"
     assert all(client.num_tasks == tasks for client in partition.clients)
 
 

@@ -81,6 +81,8 @@ def cli() -> None:
               help="Evaluate every N rounds (and always at the end of each task).")
 @click.option("--utility-lambda", default=0.5, show_default=True, type=float,
               help="lambda of the continual utility U = lambda*stability + (1-lambda)*plasticity.")
+@click.option("--link-mbps", default=100.0, show_default=True, type=float,
+              help="Link speed in Mbit/s for the communication seconds of the efficiency E (bytes x 8 / speed).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:<index>.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--seeds", default=None, metavar="S1,S2,...",

@@ -32,10 +32,13 @@ Readings where the paper is silent:
   label has a prototype; they are recomputed after every round.
 * A client classifies over its own local prototypes of the classes it has
   seen (not over other clients' classes); the global library only enters
-  through L_R. The server's model is never trained (no weights are averaged);
-  for the global model (``client=None``) the global library scores the
-  server model's features, so ``global_accuracy`` is not a PFCL figure -
-  ``mean_client_accuracy`` is.
+  through L_R. The server's model is never trained (no weights are averaged),
+  so PFCL declares its federation model to be the clients' models
+  (``fedaval_federation_model`` returns ``"clients"``): the server is not
+  evaluated, global-model figures are null, and PFCL's figures are the
+  clients' mean accuracy per evaluated round (``mean_client_accuracy``), its
+  mean over the stages' ends (``final.average_client_accuracy``) and its last
+  value (``final.mean_client_accuracy``).
 * The exemplar memory holds indices into the run's training set (exemplars
   are real samples of the client's own earlier tasks).
 * Per-client state (local library, received library, memory, teacher) lives
@@ -133,6 +136,11 @@ class PFCL(Plugin):
     @hookimpl
     def fedaval_shared_keys(self, run, model):
         return []  # prototypes only: no weight goes up or down
+
+    @hookimpl
+    def fedaval_federation_model(self, run):
+        """The server's model is never trained: PFCL is judged by its clients."""
+        return "clients"
 
     # --- client round -----------------------------------------------------------
     @hookimpl

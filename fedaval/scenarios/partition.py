@@ -9,7 +9,8 @@ training starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,7 +32,12 @@ class ClientTasks:
 
 @dataclass
 class Partition:
+    """``clients``: every client's stream; ``summary``: figures the
+    partitioner reports about itself, copied into results.json's
+    ``scenario`` block (sthfl: ``effective_imbalance``, ``data_fraction_used``)."""
+
     clients: list[ClientTasks]
+    summary: dict = field(default_factory=dict)
 
     @property
     def num_tasks(self) -> int:
@@ -92,6 +98,103 @@ def _largest_remainder(weights: np.ndarray, total: int) -> np.ndarray:
     return base
 
 
+def long_tailed(targets: np.ndarray, num_classes: int, imbalance: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """The long-tailed training set: for each class, the (shuffled) indices it
+    keeps; classes in a seeded random order keep n_max * IF^(-rank/(C-1))."""
+    by_class = _indices_by_class(targets, num_classes, rng)
+    order = class_order(num_classes, rng)
+    max_count = min(len(by_class[c]) for c in range(num_classes))
+    counts = long_tail_counts(max_count, num_classes, imbalance)
+    kept: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * num_classes
+    for rank, c in enumerate(order):
+        kept[c] = by_class[c][: counts[rank]]
+    return kept
+
+
+def draw_stage(
+    rng: np.random.Generator, num_classes: int, seen: set[int], size: int, stages_after: int
+) -> list[int]:
+    """The classes of one client-stage: ``size`` distinct classes, at least one
+    not in ``seen`` (the client's earlier stages), and leaving at least
+    ``stages_after`` unseen classes for the client's later stages. Drawn
+    uniformly among the sets that qualify: first how many are new (weighted
+    by how many sets have that many), then which."""
+    unseen = np.array(sorted(set(range(num_classes)) - seen), dtype=np.int64)
+    old = np.array(sorted(seen), dtype=np.int64)
+    most_new = min(size, len(unseen), num_classes - stages_after - len(old))
+    ks = list(range(max(1, size - len(old)), most_new + 1))
+    weights = np.array([math.comb(len(unseen), k) * math.comb(len(old), size - k) for k in ks], dtype=float)
+    k = ks[int(rng.choice(len(ks), p=weights / weights.sum()))]
+    picked = rng.choice(unseen, size=k, replace=False).tolist() + rng.choice(old, size=size - k, replace=False).tolist()
+    return sorted(int(c) for c in picked)
+
+
+def _max_flow(extra_of_client: list[int], drawn: list[set[int]], room: np.ndarray) -> tuple[int, np.ndarray]:
+    """Integer max flow source -> client k (capacity ``extra_of_client[k]``)
+    -> class c it drew (unbounded) -> sink (capacity ``room[c]``). Returns the
+    flow value and the (clients x classes) flow."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import maximum_flow
+
+    n, c = len(extra_of_client), len(room)
+    source, sink = 0, n + c + 1
+    rows, cols, caps = [], [], []
+    for k in range(n):
+        rows.append(source), cols.append(1 + k), caps.append(extra_of_client[k])
+        for cls in drawn[k]:
+            rows.append(1 + k), cols.append(1 + n + cls), caps.append(int(room[cls]))
+    for cls in range(c):
+        rows.append(1 + n + cls), cols.append(sink), caps.append(int(room[cls]))
+    graph = csr_matrix((np.array(caps, dtype=np.int32), (rows, cols)), shape=(n + c + 2, n + c + 2))
+    result = maximum_flow(graph, source, sink)
+    flow = result.flow.toarray()[1 : n + 1, n + 1 : n + c + 1]
+    return int(result.flow_value), np.maximum(flow, 0)
+
+
+def equal_totals(slots_of_client: list[int], drawn: list[set[int]], slots_of_class: np.ndarray,
+                 available: np.ndarray) -> tuple[int, np.ndarray]:
+    """The largest equal total Q every client can get, and how many samples
+    beyond one per slot each client takes of each class it drew
+    (``extra[k, c]``), when every
+    (client, stage, class) slot gets at least one sample and class c gives at
+    most ``available[c]`` samples in all.
+
+    Q is found as a maximum flow (binary search over Q, a flow that fills
+    every client's Q is an assignment). Among the assignments with that Q,
+    the one that takes the smallest largest fraction of any class is chosen
+    (binary search over the fraction), so the classes keep their long-tailed
+    proportions as far as equal totals allow."""
+    base = slots_of_class.astype(np.int64)
+    room_full = available.astype(np.int64) - base
+
+    def fill(q: int, room: np.ndarray):
+        need = [q - s for s in slots_of_client]
+        value, flow = _max_flow(need, drawn, room)
+        return value == sum(need), flow
+
+    lo = max(slots_of_client)
+    hi = min(sum(int(available[c]) for c in d) for d in drawn)
+    while lo < hi:  # largest q that fills
+        mid = (lo + hi + 1) // 2
+        if fill(mid, room_full)[0]:
+            lo = mid
+        else:
+            hi = mid - 1
+    quota = lo
+    low, high = 0.0, 1.0
+    for _ in range(30):  # smallest largest fraction of a class that still fills
+        mid = (low + high) / 2
+        room = np.minimum(room_full, np.maximum(np.ceil(mid * available).astype(np.int64) - base, 0))
+        if fill(quota, room)[0]:
+            high = mid
+        else:
+            low = mid
+    room = np.minimum(room_full, np.maximum(np.ceil(high * available).astype(np.int64) - base, 0))
+    ok, flow = fill(quota, room)
+    assert ok
+    return quota, flow.astype(np.int64)
+
+
 def sthfl(
     targets: np.ndarray,
     num_classes: int,
@@ -105,16 +208,24 @@ def sthfl(
 
     1. The training set is made long-tailed: classes, in a seeded random
        order, keep n_c = n_max * IF^(-rank/(C-1)) samples (``long_tail_counts``).
-    2. Every client draws S distinct classes for each of its M stages; stages
-       of one client may repeat classes (the paper allows overlap).
-    3. Each class's kept samples are split evenly, without overlap, over the
-       (client, stage) slots that drew it.
-    4. Every client is cut down to the same number of samples Q (the smallest
-       client total), keeping the proportions of its slots (largest remainder).
+    2. Every client draws S distinct classes for each of its M stages. A stage
+       may repeat classes of the client's earlier stages (the paper allows
+       overlap) but brings at least one class new to the client: the STHFL
+       definition, temporal heterogeneity (b), "there exists y_i^(m),r not in
+       the union over j < m of Y_i^(j), for y_i^(m),r in Y_i^(m)" (GLDP,
+       Section 3); see :func:`draw_stage`. This needs S + M - 1 <= C.
+    3. Every (client, stage, class) slot gets one sample; the rest are
+       assigned so that every client holds the same number Q of samples
+       ("each client is assigned the same number of training samples but with
+       different class distributions"), with Q as large as the long-tailed
+       set allows (:func:`equal_totals`, a maximum flow) and each class used
+       in as even a fraction as that Q allows. A client's samples of a class
+       are split evenly over its stages that drew the class.
 
-    Reading of "every client gets the same number of samples but different
-    classes": equal totals per client, exactly; stage sizes follow the
-    long-tailed class sizes. Samples not needed are not used.
+    ``summary`` reports ``samples_per_client`` (Q), ``data_fraction_used``
+    (samples used / samples of the long-tailed set) and
+    ``effective_imbalance`` (largest / smallest number of samples used of a
+    class, over the classes used).
     """
     _check_clients(num_clients)
     _require(
@@ -123,52 +234,59 @@ def sthfl(
     )
     _require(num_tasks >= 1, f"bad number of tasks {num_tasks}; must be >= 1")
     _require(imbalance >= 1, f"bad imbalance factor {imbalance}; must be >= 1")
-    by_class = _indices_by_class(targets, num_classes, rng)
-    order = class_order(num_classes, rng)
-    max_count = min(len(by_class[c]) for c in range(num_classes))
-    counts = long_tail_counts(max_count, num_classes, imbalance)
-    kept = [None] * num_classes
-    for rank, c in enumerate(order):
-        kept[c] = by_class[c][: counts[rank]]
-
-    draws = [
-        [sorted(rng.choice(num_classes, size=classes_per_task, replace=False).tolist()) for _ in range(num_tasks)]
-        for _ in range(num_clients)
-    ]
-    slots_of_class: dict[int, list[tuple[int, int]]] = {c: [] for c in range(num_classes)}
+    _require(
+        classes_per_task + num_tasks - 1 <= num_classes,
+        f"bad scenario: {num_tasks} stages of {classes_per_task} classes, each bringing a class new to the client, "
+        f"need {classes_per_task + num_tasks - 1} classes; the dataset has {num_classes}",
+    )
+    kept = long_tailed(targets, num_classes, imbalance, rng)
+    draws: list[list[list[int]]] = []
+    for _ in range(num_clients):
+        seen: set[int] = set()
+        stages = []
+        for t in range(num_tasks):
+            stages.append(draw_stage(rng, num_classes, seen, classes_per_task, num_tasks - 1 - t))
+            seen.update(stages[-1])
+        draws.append(stages)
+    slots_of_class = np.zeros(num_classes, dtype=np.int64)
     for k in range(num_clients):
         for t in range(num_tasks):
             for c in draws[k][t]:
-                slots_of_class[c].append((k, t))
-    pieces: dict[tuple[int, int, int], np.ndarray] = {}
-    for c, slots in slots_of_class.items():
-        if not slots:
-            continue
+                slots_of_class[c] += 1
+    available = np.array([len(kept[c]) for c in range(num_classes)], dtype=np.int64)
+    for c in range(num_classes):
         _require(
-            len(kept[c]) >= len(slots),
-            f"imbalance factor {imbalance} leaves class {c} with {len(kept[c])} samples for {len(slots)} "
+            available[c] >= slots_of_class[c],
+            f"imbalance factor {imbalance} leaves class {c} with {available[c]} samples for {slots_of_class[c]} "
             f"client stages; lower the imbalance or the number of clients",
         )
-        for (k, t), chunk in zip(slots, _split_evenly(kept[c], len(slots))):
-            pieces[(k, t, c)] = chunk
-
-    totals = [sum(len(pieces[(k, t, c)]) for t in range(num_tasks) for c in draws[k][t]) for k in range(num_clients)]
-    quota = min(totals)
+    drawn = [sorted({c for stage in draws[k] for c in stage}) for k in range(num_clients)]
+    quota, extra = equal_totals(
+        [num_tasks * classes_per_task] * num_clients, [set(d) for d in drawn], slots_of_class, available
+    )
+    taken = np.zeros(num_classes, dtype=np.int64)  # samples of each class handed out so far
     clients = []
     for k in range(num_clients):
-        keys = [(k, t, c) for t in range(num_tasks) for c in draws[k][t]]
-        sizes = _largest_remainder(np.array([len(pieces[key]) for key in keys], dtype=float), quota)
-        # every drawn class keeps at least one sample where the quota allows
         per_task: list[list[np.ndarray]] = [[] for _ in range(num_tasks)]
-        for key, size in zip(keys, sizes):
-            per_task[key[1]].append(pieces[key][:size])
+        for c in drawn[k]:
+            stages = [t for t in range(num_tasks) if c in draws[k][t]]
+            sizes = 1 + np.array([len(chunk) for chunk in np.array_split(np.arange(extra[k, c]), len(stages))])
+            for t, size in zip(stages, sizes):
+                per_task[t].append(kept[c][taken[c] : taken[c] + size])
+                taken[c] += size
         clients.append(
             ClientTasks(
                 indices=[np.concatenate(parts).astype(np.int64) for parts in per_task],
                 classes=draws[k],
             )
         )
-    return Partition(clients)
+    used = taken[taken > 0]
+    summary = {
+        "samples_per_client": int(quota),
+        "data_fraction_used": float(taken.sum() / sum(len(k) for k in kept)),
+        "effective_imbalance": float(used.max() / used.min()),
+    }
+    return Partition(clients, summary)
 
 
 def task_splits(order: np.ndarray, num_tasks: int) -> list[list[int]]:
@@ -211,6 +329,27 @@ def fcil_sync(
     return Partition(clients)
 
 
+def consensus_split(classes_per_client: int, consensus: float) -> tuple[int, int]:
+    """``(common, unique)`` classes of one client: common = round(gamma * m)
+    (halves rounded up), unique = m - common."""
+    common = int(math.floor(consensus * classes_per_client + 0.5 + 1e-9))
+    return common, classes_per_client - common
+
+
+def fcil_async_classes_needed(classes_per_client: int, num_clients: int, consensus: float) -> int:
+    """Dataset classes a setting uses: the common ones once, every client's unique ones."""
+    common, unique = consensus_split(classes_per_client, consensus)
+    return common + num_clients * unique
+
+
+def fcil_async_max_classes_per_client(num_classes: int, num_clients: int, consensus: float) -> int:
+    """The largest m with common + clients * unique <= C (0 if none)."""
+    for m in range(num_classes, 0, -1):
+        if fcil_async_classes_needed(m, num_clients, consensus) <= num_classes:
+            return m
+    return 0
+
+
 def fcil_async(
     targets: np.ndarray,
     num_classes: int,
@@ -218,34 +357,59 @@ def fcil_async(
     num_tasks: int,
     consensus: float,
     rng: np.random.Generator,
+    classes_per_client: int = 0,
 ) -> Partition:
     """FedProK's asynchronous FCIL with consensus rate gamma.
 
-    round(gamma * C) classes are common to all clients (their samples split
-    evenly over the clients); every other class belongs to exactly one client
-    (dealt round-robin in a seeded order) which gets all its samples. Each
-    client orders its own classes at random and cuts them into T tasks.
-    Reading: gamma is the fraction of the dataset's classes that every client
-    holds. Every sample is used exactly once."""
+    Reading (FedProK, Section 3.2: "if each client's local task sequence
+    comprises samples of 50 classes, with 25 common classes and 25 unique
+    classes, the consensus rate gamma in this case is 0.5"; Section 6.1: "10
+    or 25 classes are common on all clients while the rest of 40 or 25 classes are
+    unique on one client"): gamma is the fraction of *one client's* classes
+    that every client holds. With m classes per client, common =
+    round(gamma * m) classes are on every client (their samples split evenly
+    over the clients) and unique = m - common classes belong to that client
+    alone (all their samples). The setting uses common + clients * unique
+    dataset classes; the others are left out.
+
+    ``classes_per_client`` is m; 0 (the default) takes the largest m the
+    dataset allows, so that as many classes as possible are used (on
+    CIFAR-100 with 2 clients, gamma 0.2: m = 55, 11 common + 2 x 44 unique =
+    99 classes). The paper's CIFAR-100 figures (m = 50, 3 clients, gamma 0.2:
+    10 + 3 x 40 = 130 classes) do not fit in 100 classes; with 2 clients they
+    do (90 classes). Each client orders its own classes at random and cuts
+    them into T tasks. Every sample of a used class is used exactly once."""
     _check_clients(num_clients)
     _require(0 <= consensus <= 1, f"bad consensus rate {consensus}; must be in [0, 1]")
     _require(num_tasks >= 1, f"bad number of tasks {num_tasks}; must be >= 1")
+    largest = fcil_async_max_classes_per_client(num_classes, num_clients, consensus)
+    _require(
+        largest >= 1,
+        f"bad scenario: {num_clients} clients with consensus {consensus} need more than the dataset's "
+        f"{num_classes} classes; lower the number of clients",
+    )
+    if classes_per_client == 0:
+        classes_per_client = largest
+    _require(
+        1 <= classes_per_client <= largest,
+        f"bad classes per client {classes_per_client}; with {num_clients} clients and consensus {consensus} "
+        f"it needs {fcil_async_classes_needed(classes_per_client, num_clients, consensus)} classes, the dataset "
+        f"has {num_classes}; allowed 1..{largest} (0: {largest})",
+    )
+    _require(
+        num_tasks <= classes_per_client,
+        f"bad number of tasks {num_tasks}; with consensus {consensus} a client holds only {classes_per_client} "
+        f"classes, allowed 1..{classes_per_client}",
+    )
+    num_shared, num_unique = consensus_split(classes_per_client, consensus)
     by_class = _indices_by_class(targets, num_classes, rng)
     order = class_order(num_classes, rng)
-    num_shared = int(round(consensus * num_classes))
-    shared, unique = order[:num_shared], order[num_shared:]
-    owned: list[list[int]] = [[int(c) for c in shared] for _ in range(num_clients)]
-    if num_clients == 1:
-        owned[0] += [int(c) for c in unique]
-    else:
-        for i, c in enumerate(unique):
-            owned[i % num_clients].append(int(c))
-    smallest = min(len(o) for o in owned)
-    _require(
-        num_tasks <= smallest,
-        f"bad number of tasks {num_tasks}; with consensus {consensus} a client holds only {smallest} classes, "
-        f"allowed 1..{smallest}",
-    )
+    shared = order[:num_shared]
+    unique = order[num_shared:]
+    owned: list[list[int]] = [
+        [int(c) for c in shared] + [int(c) for c in unique[k * num_unique : (k + 1) * num_unique]]
+        for k in range(num_clients)
+    ]
     shared_pieces = {int(c): _split_evenly(by_class[c], num_clients) for c in shared}
     clients = []
     for k in range(num_clients):

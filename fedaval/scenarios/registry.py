@@ -21,6 +21,10 @@ def _at_least_one(value: int) -> str | None:
     return None if value >= 1 else "must be >= 1"
 
 
+def _non_negative_int(value: int) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
 @dataclass
 class SthflOptions:
     clients: int = option(10, "N: number of clients", _at_least_one)
@@ -40,7 +44,13 @@ class FcilSyncOptions:
 class FcilAsyncOptions:
     clients: int = option(3, "number of clients", _at_least_one)
     tasks: int = option(3, "T: tasks per client", _at_least_one)
-    consensus: float = option(0.5, "gamma: fraction of classes held by every client", unit_interval)
+    consensus: float = option(
+        0.5, "gamma: fraction of a client's classes that every client holds (FedProK)", unit_interval
+    )
+    classes_per_client: int = option(
+        0, "m: classes per client, round(gamma*m) common + the rest unique (0: the most the dataset allows)",
+        _non_negative_int,
+    )
 
 
 @dataclass
@@ -79,9 +89,9 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         ),
         ScenarioSpec(
             "fcil-async",
-            "asynchronous FCIL: a consensus fraction of classes on every client, the rest unique to one",
+            "asynchronous FCIL: a fraction gamma of each client's classes on every client, the rest unique to it",
             FcilAsyncOptions,
-            lambda o, y, c, rng: partition.fcil_async(y, c, o.clients, o.tasks, o.consensus, rng),
+            lambda o, y, c, rng: partition.fcil_async(y, c, o.clients, o.tasks, o.consensus, rng, o.classes_per_client),
             "FedProK",
         ),
         ScenarioSpec(

@@ -1,0 +1,263 @@
+"""The metrics mean what the papers mean: forgetting and BWT from fedaval's
+accuracy matrix, utility averaged over training, efficiency E, methods
+without a global model, A_sel under client sampling."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from helpers import one_line_error, tiny_run_config
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from fedaval import hookimpl
+from fedaval.evaluation import backward_transfer, forgetting, summarise
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+# ---------------------------------------------------------------- forgetting and BWT by hand
+
+
+@pytest.mark.parametrize(
+    "matrix, expected_forgetting, expected_bwt",
+    [
+        # best at the diagonal: f = (0.9 - 0.5 + 0.8 - 0.7) / 2; BWT = (0.5 - 0.9 + 0.7 - 0.8) / 2
+        ([[0.9], [0.6, 0.8], [0.5, 0.7, 0.9]], 0.25, -0.25),
+        # task 0 best after task 1 (0.8, not its diagonal 0.5): f0 = 0.8 - 0.4, f1 = 0.6 - 0.7
+        ([[0.5], [0.8, 0.6], [0.4, 0.7, 0.9]], 0.15, 0.0),
+        # stage 1 brought no class new to the federation: its column is None and skipped
+        ([[0.9], [0.7, None], [0.6, None, 0.8]], 0.3, -0.3),
+        # a first stage without new classes
+        ([[None], [None, 0.8], [None, 0.5, 0.7]], 0.3, -0.3),
+        ([[0.9]], None, None),  # one stage: nothing to forget
+        ([], None, None),
+    ],
+)
+def test_forgetting_and_bwt_from_hand_made_matrices(matrix, expected_forgetting, expected_bwt):
+    f, b = forgetting(matrix), backward_transfer(matrix)
+    assert (f is None) == (expected_forgetting is None) and (b is None) == (expected_bwt is None)
+    if f is not None:
+        assert f == pytest.approx(expected_forgetting) and b == pytest.approx(expected_bwt)
+
+
+def test_forgetting_is_against_earlier_task_ends_only():
+    """Chaudhry et al.: max over l < T. The last row never counts as its own best."""
+    assert forgetting([[0.2], [0.9, 0.5]]) == pytest.approx(0.2 - 0.9)
+    assert backward_transfer([[0.2], [0.9, 0.5]]) == pytest.approx(0.7)
+
+
+# ---------------------------------------------------------------- summarise: utility and efficiency
+
+
+def rounds_by_hand():
+    base = {"bytes_up": 0, "bytes_down": 0, "seconds": 1.0, "seconds_computation": 0.5}
+    return [
+        {**base, "round": 1, "task_end": True, "mean_client_accuracy": 0.8, "global_accuracy": 0.9,
+         "utility": None, "stability": None, "plasticity": 0.9, "seconds_communication": 0.1},
+        {**base, "round": 2, "task_end": False, "mean_client_accuracy": 0.6, "global_accuracy": 0.5,
+         "utility": 0.6, "stability": 0.4, "plasticity": 0.8, "seconds_communication": 0.2},
+        {**base, "round": 3, "task_end": True, "mean_client_accuracy": 0.7, "global_accuracy": 0.45,
+         "utility": 0.4, "stability": 0.3, "plasticity": 0.5, "seconds_communication": 0.3},
+    ]
+
+
+def test_utility_is_the_training_average_and_the_last_value_is_kept():
+    final = summarise(rounds_by_hand(), [[0.9], [0.3, 0.5]])
+    assert final["utility"] == pytest.approx(0.5)  # mean of 0.6 and 0.4 (round 1 has no previous stage)
+    assert final["stability"] == pytest.approx(0.35) and final["plasticity"] == pytest.approx(0.65)
+    assert (final["utility_last"], final["stability_last"], final["plasticity_last"]) == (0.4, 0.3, 0.5)
+    assert final["average_accuracy"] == pytest.approx((0.9 + 0.45) / 2)
+    assert final["average_client_accuracy"] == pytest.approx((0.8 + 0.7) / 2)
+    assert final["forgetting"] == pytest.approx(0.6) and final["bwt"] == pytest.approx(-0.6)
+
+
+def test_efficiency_is_computation_plus_communication_per_round():
+    final = summarise(rounds_by_hand(), [[0.9]])
+    assert final["efficiency_computation"] == pytest.approx(0.5)
+    assert final["efficiency_communication"] == pytest.approx(0.2)
+    assert final["efficiency"] == pytest.approx(0.7)
+
+
+def test_communication_seconds_from_bytes_and_link_speed():
+    from fedaval.coordinator import communication_seconds
+
+    assert communication_seconds(12_500_000, 100) == pytest.approx(1.0)  # 100 Mbit at 100 Mbit/s
+    assert communication_seconds(12_500_000, 1000) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_link_speed_must_be_positive(value):
+    line = one_line_error(["train", "--link-mbps", value, "--quiet"])
+    assert f"--link-mbps {float(value)}" in line and "> 0" in line
+
+
+# ---------------------------------------------------------------- runs
+
+
+@pytest.fixture(scope="module")
+def fedavg_run(tmp_path_factory):
+    from fedaval.api import run_training
+
+    out = tmp_path_factory.mktemp("fedavg") / "run"
+    return out, run_training(tiny_run_config(out, link_mbps=10.0))
+
+
+def test_run_records_forgetting_from_its_matrix_and_avalanche_separately(fedavg_run):
+    _, results = fedavg_run
+    final = results["final"]
+    assert results["federation_model"] == "global" == final["federation_model"]
+    matrix = final["accuracy_matrix"]
+    assert matrix == [t["accuracy"] for t in results["tasks"]]
+    assert final["forgetting"] == pytest.approx(forgetting(matrix))
+    assert final["bwt"] == pytest.approx(backward_transfer(matrix))
+    last = results["rounds"][-1]
+    assert "avalanche_forgetting" in last and "avalanche_bwt" in last
+    assert final["avalanche_forgetting"] == last["avalanche_forgetting"]
+    # during a stage, forgetting compares with the earlier stages' ends
+    mid = results["rounds"][2]  # first round of task 1
+    assert mid["forgetting"] == pytest.approx(forgetting([matrix[0], mid["global_task_accuracy"]]))
+
+
+def test_run_records_efficiency_without_evaluation(fedavg_run):
+    _, results = fedavg_run
+    for r in results["rounds"]:
+        assert r["seconds_computation"] == pytest.approx(r["seconds_local"] + r["seconds_fusion"])
+        assert r["seconds_communication"] == pytest.approx((r["bytes_up"] + r["bytes_down"]) * 8 / 10e6)
+        assert r["seconds_computation"] < r["seconds"]
+    final = results["final"]
+    n = len(results["rounds"])
+    assert final["efficiency"] == pytest.approx(
+        sum(r["seconds_computation"] + r["seconds_communication"] for r in results["rounds"]) / n
+    )
+
+
+def test_tensorboard_has_fedavals_and_avalanches_forgetting(fedavg_run):
+    out, _ = fedavg_run
+    tags = set()
+    for path in (out / "tb").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert {"Fed/forgetting", "Fed/bwt", "Fed/global_accuracy", "Fed/average_accuracy",
+            "Fed/seconds_computation", "Fed/seconds_communication"} <= tags
+    assert "StreamForgetting/eval_phase/test_stream/global" in tags
+
+
+@pytest.fixture(scope="module")
+def pfcl_run(tmp_path_factory):
+    from fedaval.api import run_training
+
+    out = tmp_path_factory.mktemp("pfcl") / "run"
+    return out, run_training(tiny_run_config(out, plugins=["pfcl"]))
+
+
+GLOBAL_FINAL = ("accuracy", "average_accuracy", "forgetting", "bwt", "avalanche_forgetting", "avalanche_bwt",
+                "a_glo", "utility", "stability", "plasticity", "utility_last", "accuracy_matrix")
+
+
+def test_pfcl_is_judged_by_its_clients_not_the_untrained_server(pfcl_run):
+    """Before, final.accuracy etc. came from the server's never-trained model."""
+    out, results = pfcl_run
+    final = results["final"]
+    assert results["federation_model"] == "clients" == final["federation_model"]
+    assert all(final[key] is None for key in GLOBAL_FINAL), {k: final[k] for k in GLOBAL_FINAL}
+    evaluated = [r for r in results["rounds"] if "mean_client_accuracy" in r]
+    assert evaluated and all(r["global_accuracy"] is None and r["a_glo"] is None for r in evaluated)
+    ends = [r["mean_client_accuracy"] for r in evaluated if r["task_end"]]
+    assert final["mean_client_accuracy"] == evaluated[-1]["mean_client_accuracy"] > 0.3
+    assert final["average_client_accuracy"] == pytest.approx(sum(ends) / len(ends))
+    assert [t["mean_client_accuracy"] for t in results["tasks"]] == ends
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["final"]["accuracy"] is None
+
+
+def test_pfcl_tensorboard_has_client_figures_and_no_global_model(pfcl_run):
+    out, _ = pfcl_run
+    tags = set()
+    for path in (out / "tb").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert {"Fed/mean_client_accuracy", "Fed/average_client_accuracy", "Fed/a_loc"} <= tags
+    assert not any(tag.endswith("/global") for tag in tags), sorted(t for t in tags if t.endswith("/global"))
+    assert not {"Fed/global_accuracy", "Fed/a_glo", "Fed/average_accuracy", "Fed/forgetting"} & tags
+
+
+def test_report_shows_pfcl_client_figures_and_blank_global_columns(pfcl_run, fedavg_run, tmp_path):
+    from fedaval.report import write_report
+
+    report = write_report([pfcl_run[0], fedavg_run[0]], tmp_path, figures=False)
+    lines = report.table.splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")] for r in lines[2:]}
+    pfcl, fedavg = rows["fedavg+pfcl"] if "fedavg+pfcl" in rows else rows["pfcl"], rows["fedavg"]
+    for column in ("final acc", "avg acc", "forgetting", "A_glo", "utility"):
+        assert pfcl[header.index(column)] == "", column
+    for column in ("client acc", "avg client acc", "E s/round"):
+        assert pfcl[header.index(column)] != "" and fedavg[header.index(column)] != "", column
+    assert fedavg[header.index("final acc")] != ""
+
+
+def test_a_sel_differs_from_a_loc_when_clients_are_sampled(tmp_path):
+    from fedaval.api import run_training
+
+    results = run_training(tiny_run_config(
+        tmp_path / "run", plugins=["gldp"], scenario="sthfl",
+        scenario_options={"clients": 4, "tasks": 2}, clients_per_round=2, rounds_per_task=2,
+    ))
+    rounds = [r for r in results["rounds"] if r.get("a_sel") is not None]
+    assert all(len(r["clients"]) == 2 for r in results["rounds"])
+    assert any(r["a_sel"] != pytest.approx(r["a_loc"]) for r in rounds)
+    scenario = results["scenario"]
+    assert scenario["samples_per_client"] > 0
+    assert 0 < scenario["data_fraction_used"] <= 1 and scenario["effective_imbalance"] >= 1
+
+
+def test_gldp_preset_agrees_with_its_header_and_the_paper():
+    """GLDP: K = 50 global rounds over M = 5 stages, 10 clients sampled per round, 20 clients."""
+    path = CONFIGS / "gldp-cifar10-sthfl.toml"
+    text = path.read_text()
+    data = tomllib.loads(text)
+    sthfl = data["options"]["sthfl"]
+    total = data["rounds-per-task"] * sthfl["tasks"]
+    assert total == 250 and "250 rounds" in text.splitlines()[2]
+    assert 0 < data["clients-per-round"] < sthfl["clients"]
+    assert data["clients-per-round"] == 10 and sthfl["clients"] == 20
+
+
+def test_forgetting_when_a_stage_brings_no_class_new_to_the_federation(tmp_path):
+    """sthfl on digits, seed 0: stage 3 brings no class new to the federation
+    (the server has no experience for it); its matrix column is None and
+    forgetting and BWT come from the columns that exist."""
+    from fedaval.api import run_training
+
+    results = run_training(tiny_run_config(tmp_path / "run", scenario="sthfl", scenario_options={},
+                                           rounds_per_task=1))
+    new = [set(c) for c in results["scenario"]["federation_task_classes"]]
+    assert new[2] <= new[0] | new[1], "the setting this test needs: stage 3 adds nothing"
+    matrix = results["final"]["accuracy_matrix"]
+    assert len(matrix) == 3 and matrix[2][2] is None and None not in matrix[2][:2]
+    assert results["final"]["forgetting"] == pytest.approx(forgetting(matrix))
+    assert results["final"]["bwt"] == pytest.approx(backward_transfer(matrix))
+    assert results["final"]["forgetting"] is not None
+
+
+class ServerModel:
+    """A plugin whose federation model is neither "global" nor "clients"."""
+
+    name = "servermodel"
+
+    @hookimpl
+    def fedaval_federation_model(self, run):
+        return "server"
+
+
+def test_a_bad_federation_model_is_a_one_line_error(tmp_path):
+    from fedaval.api import run_training
+    from fedaval.errors import FedavalUsageError
+
+    with pytest.raises(FedavalUsageError, match="bad value 'server' from fedaval_federation_model; allowed: global, clients"):
+        run_training(tiny_run_config(tmp_path / "run", rounds_per_task=1), extra_plugins=[ServerModel()])
