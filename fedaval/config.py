@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,15 +50,18 @@ class RunConfig:
     ray_address: str | None = None
 
     def validate(self) -> None:
-        """One-line errors for values no run can use."""
+        """One-line errors for values no run can use (NaN and infinite floats
+        included: every comparison below is False for NaN)."""
+        finite = {name: math.isfinite(getattr(self, name)) for name in ("lr", "weight_decay", "client_gpus")}
         checks = [
+            ("--seed", self.seed, 0 <= self.seed < 2**32, "in [0, 2**32 - 1]"),
             ("--rounds-per-task", self.rounds_per_task, self.rounds_per_task >= 1, ">= 1"),
             ("--local-epochs", self.local_epochs, self.local_epochs >= 1, ">= 1"),
             ("--clients-per-round", self.clients_per_round, self.clients_per_round >= 0, ">= 0 (0: all)"),
             ("--batch-size", self.batch_size, self.batch_size >= 1, ">= 1"),
-            ("--lr", self.lr, self.lr > 0, "> 0"),
+            ("--lr", self.lr, finite["lr"] and self.lr > 0, "finite and > 0"),
             ("--momentum", self.momentum, 0 <= self.momentum < 1, "in [0, 1)"),
-            ("--weight-decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+            ("--weight-decay", self.weight_decay, finite["weight_decay"] and self.weight_decay >= 0, "finite and >= 0"),
             ("--eval-every", self.eval_every, self.eval_every >= 1, ">= 1"),
             ("--utility-lambda", self.utility_lambda, 0 <= self.utility_lambda <= 1, "in [0, 1]"),
             ("--checkpoint-every", self.checkpoint_every, self.checkpoint_every >= 0, ">= 0 (0: never)"),
@@ -68,7 +72,8 @@ class RunConfig:
             ("--offload-clients", self.offload_clients, self.offload_clients in OFFLOAD_POLICIES,
              "one of " + ", ".join(OFFLOAD_POLICIES)),
             ("--backend", self.backend, self.backend in BACKENDS, "one of " + ", ".join(BACKENDS)),
-            ("--client-gpus", self.client_gpus, 0 <= self.client_gpus, ">= 0 (a fraction of one GPU per client)"),
+            ("--client-gpus", self.client_gpus, finite["client_gpus"] and 0 <= self.client_gpus,
+             "finite and >= 0 (a fraction of one GPU per client)"),
         ]
         for flag, value, ok, allowed in checks:
             if not ok:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from typing import Any, Callable
@@ -9,7 +10,7 @@ from typing import Any, Callable
 from fedaval import checkpoint
 from fedaval.atomic import atomic_write_json
 from fedaval.backends import ClientRound
-from fedaval.errors import RunFailure
+from fedaval.errors import RunFailure, RunInterrupted
 from fedaval.offload import offload_idle
 from fedaval.evaluation import (
     STREAM_ACC,
@@ -189,37 +190,106 @@ def train(
     run has an output folder) and, on the ``--checkpoint-every`` schedule, a
     checkpoint, so an interrupted run keeps what it finished and can resume.
 
+    results.json's ``status`` says how far the run got (:func:`set_status`):
+    ``running`` while rounds remain, ``complete`` after the last one,
+    ``failed`` or ``interrupted`` (Ctrl-C, SIGTERM) when it stopped early.
+    A full disk while writing stops the run with a :class:`RunFailure`
+    naming the resume command; the previous results.json and checkpoint stay.
+
     ``results`` (from :func:`fedaval.checkpoint.restore`) continues a run
-    after the rounds it already holds."""
+    after the rounds it already holds. A run that is already complete gets
+    its results.json rewritten from them (it may have been damaged)."""
     results = new_results(run) if results is None else results
     matrix: list[list[float | None]] = [t["accuracy"] for t in results["tasks"]]
     done = len(results["rounds"])
-    for task in range(run.num_tasks):
-        rounds = [r for r in run.rounds_of_task(task) if r > done]
-        if not rounds:
-            continue
-        run.task = task
-        if rounds[0] == run.rounds_of_task(task)[0]:
-            run.server.begin_task(task)
-        for round in rounds:
-            try:
-                record = run_round(run, round)
-            except RunFailure as exc:
-                raise RunFailure(f"{exc}{resume_hint(run)}") from exc
-            results["rounds"].append(record)
-            if record["task_end"]:
-                row = record.get("global_task_accuracy", [])
-                matrix.append(row)
-                results["tasks"].append({"task": task, "accuracy": row, "global_accuracy": record.get("global_accuracy")})
-            results["final"] = summarise(results["rounds"], matrix)
-            log_round(run, record)
-            if run.out_dir is not None:
-                if checkpoint.is_due(run, round):
-                    checkpoint.save(run, results)
-                atomic_write_json(run.out_dir / "results.json", results)
-            if on_round is not None:
-                on_round(record)
+    set_status(run, results, "running")
+    try:
+        for task in range(run.num_tasks):
+            rounds = [r for r in run.rounds_of_task(task) if r > done]
+            if not rounds:
+                continue
+            run.task = task
+            if rounds[0] == run.rounds_of_task(task)[0]:
+                run.server.begin_task(task)
+            for round in rounds:
+                try:
+                    record = run_round(run, round)
+                except RunFailure as exc:
+                    raise RunFailure(f"{exc}{resume_hint(run)}") from exc
+                results["rounds"].append(record)
+                if record["task_end"]:
+                    row = record.get("global_task_accuracy", [])
+                    matrix.append(row)
+                    results["tasks"].append({"task": task, "accuracy": row, "global_accuracy": record.get("global_accuracy")})
+                results["final"] = summarise(results["rounds"], matrix)
+                set_status(run, results, "running" if round < run.total_rounds else "complete")
+                log_round(run, record)
+                if run.out_dir is not None:
+                    if checkpoint.is_due(run, round):
+                        _write(run, lambda: checkpoint.save(run, results))
+                    _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
+                if on_round is not None:
+                    on_round(record)
+        set_status(run, results, "complete")
+        if run.out_dir is not None:
+            _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
+    except KeyboardInterrupt:
+        _mark_stopped(run, results, "interrupted")
+        raise RunInterrupted(interrupted_message(run, results)) from None
+    except BaseException:
+        _mark_stopped(run, results, "failed")
+        raise
     return results
+
+
+def set_status(run: Run, results: dict[str, Any], state: str) -> None:
+    """results.json's ``status``: ``{"state": running | complete | failed |
+    interrupted, "rounds_done": n, "rounds_total": N}``."""
+    results["status"] = {"state": state, "rounds_done": len(results["rounds"]), "rounds_total": run.total_rounds}
+
+
+def _mark_stopped(run: Run, results: dict[str, Any], state: str) -> None:
+    """Record in results.json that the run stopped early, where one was
+    written already (a folder whose first round never finished stays free for
+    a new run). Best effort: a full disk keeps the last good file."""
+    set_status(run, results, state)
+    target = None if run.out_dir is None else run.out_dir / "results.json"
+    if target is not None and target.exists():
+        try:
+            atomic_write_json(target, results)
+        except OSError:
+            pass
+
+
+def _write(run: Run, write: Callable[[], Any]) -> None:
+    """Do one write of the run folder; a full disk (or quota) is a
+    :class:`RunFailure` that says how to go on once there is space."""
+    try:
+        write()
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        latest = checkpoint.saved(run.out_dir)
+        kept = f"checkpoint of round {latest[0][0]}" if latest else "no checkpoint"
+        raise RunFailure(
+            f"no space left on the device of {run.out_dir} after round {run.round} ({exc.strerror}); "
+            f"the last good results.json and {kept} are kept; free some space, then continue with: "
+            f"fedaval train --resume {run.out_dir}"
+        ) from None
+
+
+def interrupted_message(run: Run, results: dict[str, Any]) -> str:
+    done = len(results["rounds"])
+    where = f"interrupted in round {done + 1} of {run.total_rounds} ({done} complete)"
+    if run.out_dir is None:
+        return where
+    latest = checkpoint.saved(run.out_dir)
+    if not latest:
+        return f"{where}; no checkpoint was saved yet, so the run starts over with a new --out"
+    return (
+        f"{where}; the run folder {run.out_dir} is intact (newest checkpoint: round {latest[0][0]}); "
+        f"continue with: fedaval train --resume {run.out_dir}"
+    )
 
 
 def client_failed(run: Run, result: ClientRound, round: int) -> dict[str, Any]:

@@ -142,7 +142,35 @@ def load_plugins(
         pm.register(instance, name=name)
         loaded.names.append(name)
         loaded.objects[name] = instance
+    check_competing_hooks(pm)
     return loaded
+
+
+def check_competing_hooks(pm: pluggy.PluginManager) -> None:
+    """Refuse two plugins competing for one ``firstresult`` hook.
+
+    Of a ``firstresult`` hook's implementations only the first that returns a
+    value is used, so two methods both implementing one (two fusion rules, two
+    sets of shared keys, two models) would silently lose one. Implementations
+    registered ``trylast`` are defaults (FedAvg's, the core's) that a method
+    overrides, and wrappers only observe, so neither counts. Checked over
+    every hook spec with ``firstresult=True``, whatever its name."""
+    for name in sorted(vars(pm.hook)):
+        caller = getattr(pm.hook, name)
+        spec = getattr(caller, "spec", None)
+        if spec is None or not spec.opts.get("firstresult"):
+            continue
+        competing = [
+            impl.plugin_name
+            for impl in caller.get_hookimpls()
+            if not impl.trylast and not impl.hookwrapper and not getattr(impl, "wrapper", False)
+        ]
+        if len(competing) > 1:
+            names = [repr(p) for p in reversed(competing)]  # in load order
+            raise FedavalUsageError(
+                f"plugins {', '.join(names[:-1])} and {names[-1]} both implement {name}, which uses only one result; "
+                "load one of them (a plugin meant as an overridable default marks it @hookimpl(trylast=True))"
+            )
 
 
 def hook_names(obj: Any) -> list[str]:

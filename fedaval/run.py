@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import numpy as np
 import torch
 
 from fedaval import core, offload
+from fedaval.api import default_out_dir  # noqa: F401  (its old home)
 from fedaval.backends import make_backend
 from fedaval.client import Client
 from fedaval.config import RunConfig
@@ -47,12 +47,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def default_out_dir(config: RunConfig) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    methods = "+".join(config.plugins) or "fedavg"
-    return Path("runs") / f"{stamp}-{methods}-{config.scenario}-{config.dataset}-s{config.seed}"
 
 
 class Run:
@@ -92,6 +86,11 @@ class Run:
         rng = np.random.default_rng(config.seed)
         self.partition: Partition = spec.build(self.scenario_options, self.data.train_y.numpy(), self.num_classes, rng)
         self.num_tasks = self.partition.num_tasks
+        if config.clients_per_round > len(self.partition.clients):
+            raise FedavalUsageError(
+                f"bad value --clients-per-round {config.clients_per_round}; the scenario has "
+                f"{len(self.partition.clients)} clients, so it must be in [0, {len(self.partition.clients)}] (0: all)"
+            )
         self.schedule = make_schedule(self.partition, config.rounds_per_task, config.clients_per_round, rng)
 
         if out_dir is not None:

@@ -6,10 +6,12 @@ import torch.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import click
 
 from fedaval import config_file
-from fedaval.errors import FedavalUsageError, RunFailure
+from fedaval.errors import FedavalUsageError, RunFailure, RunInterrupted
 
 
 def parse_assignments(values: tuple[str, ...]) -> dict[str, dict[str, str]]:
@@ -26,7 +28,9 @@ def parse_assignments(values: tuple[str, ...]) -> dict[str, dict[str, str]]:
 
 class FedavalGroup(click.Group):
     """Prints a :class:`FedavalUsageError` as one line and exits with status 2,
-    a :class:`RunFailure` as one line and exits with status 1."""
+    a :class:`RunFailure` as one line and exits with status 1, a
+    :class:`RunInterrupted` (Ctrl-C, SIGTERM) as one line and exits with
+    status 130."""
 
     def invoke(self, ctx):
         try:
@@ -37,6 +41,30 @@ class FedavalGroup(click.Group):
         except RunFailure as exc:
             click.echo(f"fedaval: run stopped: {exc}", err=True)
             ctx.exit(1)
+        except RunInterrupted as exc:
+            click.echo(f"fedaval: {exc}", err=True)
+            ctx.exit(130)
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """Within the block SIGTERM raises :class:`KeyboardInterrupt`, as Ctrl-C
+    does, so a terminated run records where it stopped and says how to resume."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @click.group(cls=FedavalGroup)
@@ -106,16 +134,22 @@ def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs
             raise FedavalUsageError(f"--resume takes no other run option (the run's config.json holds them); got {', '.join(given)}")
         from fedaval.api import resume_training
 
-        resume_training(resume_dir, show_progress=not quiet, echo=click.echo)
+        with sigterm_as_interrupt():
+            resume_training(resume_dir, show_progress=not quiet, echo=click.echo)
         return
     kwargs["plugins"] = split_plugin_specs(plugins)
     kwargs["plugin_options"] = config_file.merge_options(config_file.file_options(ctx), parse_assignments(options))
     kwargs["out"] = out
     from_cli = {name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE for name in ("seed", "seeds")}
+    from fedaval.api import check_settings
+
+    # every seed's settings and run folder are checked before the first run starts (torch not imported yet)
+    configs = [check_settings(s) for s in config_file.settings_per_seed(kwargs, seeds, from_cli["seed"], from_cli["seeds"])]
     from fedaval.api import run_training
 
-    for settings in config_file.settings_per_seed(kwargs, seeds, from_cli["seed"], from_cli["seeds"]):
-        run_training(settings, show_progress=not quiet, echo=click.echo)
+    with sigterm_as_interrupt():
+        for config in configs:
+            run_training(config, show_progress=not quiet, echo=click.echo)
 
 
 @cli.command("plugins")
