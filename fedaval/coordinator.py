@@ -233,6 +233,8 @@ def train(
         set_status(run, results, "complete")
         if run.out_dir is not None:
             _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
+    except DiskFull:
+        raise  # nothing more can be written; the last good files stay as they are
     except KeyboardInterrupt:
         _mark_stopped(run, results, "interrupted")
         raise RunInterrupted(interrupted_message(run, results)) from None
@@ -261,9 +263,13 @@ def _mark_stopped(run: Run, results: dict[str, Any], state: str) -> None:
             pass
 
 
+class DiskFull(RunFailure):
+    """No space left (or quota reached) while writing the run folder."""
+
+
 def _write(run: Run, write: Callable[[], Any]) -> None:
     """Do one write of the run folder; a full disk (or quota) is a
-    :class:`RunFailure` that says how to go on once there is space."""
+    :class:`DiskFull` that says how to go on once there is space."""
     try:
         write()
     except OSError as exc:
@@ -271,7 +277,7 @@ def _write(run: Run, write: Callable[[], Any]) -> None:
             raise
         latest = checkpoint.saved(run.out_dir)
         kept = f"checkpoint of round {latest[0][0]}" if latest else "no checkpoint"
-        raise RunFailure(
+        raise DiskFull(
             f"no space left on the device of {run.out_dir} after round {run.round} ({exc.strerror}); "
             f"the last good results.json and {kept} are kept; free some space, then continue with: "
             f"fedaval train --resume {run.out_dir}"

@@ -166,7 +166,7 @@ def check_competing_hooks(pm: pluggy.PluginManager) -> None:
             if not impl.trylast and not impl.hookwrapper and not getattr(impl, "wrapper", False)
         ]
         if len(competing) > 1:
-            names = [repr(p) for p in reversed(competing)]  # in load order
+            names = [repr(p) for p in competing]  # in load order
             raise FedavalUsageError(
                 f"plugins {', '.join(names[:-1])} and {names[-1]} both implement {name}, which uses only one result; "
                 "load one of them (a plugin meant as an overridable default marks it @hookimpl(trylast=True))"

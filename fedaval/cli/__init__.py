@@ -144,12 +144,14 @@ def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs
     from fedaval.api import check_settings
 
     # every seed's settings and run folder are checked before the first run starts (torch not imported yet)
-    configs = [check_settings(s) for s in config_file.settings_per_seed(kwargs, seeds, from_cli["seed"], from_cli["seeds"])]
+    runs = config_file.settings_per_seed(kwargs, seeds, from_cli["seed"], from_cli["seeds"])
+    for settings in runs:
+        check_settings(settings)
     from fedaval.api import run_training
 
     with sigterm_as_interrupt():
-        for config in configs:
-            run_training(config, show_progress=not quiet, echo=click.echo)
+        for settings in runs:
+            run_training(settings, show_progress=not quiet, echo=click.echo)
 
 
 @cli.command("plugins")
@@ -188,12 +190,15 @@ def list_scenarios() -> None:
 @click.option("--out-dir", default=".", show_default=True,
               help="Where report.md, report.csv and the PNG figures go.")
 @click.option("--no-figures", is_flag=True, help="Only the tables.")
-def report(run_dirs, out_dir, no_figures) -> None:
+@click.option("--include-incomplete", is_flag=True,
+              help="Report runs that stopped before their last round, marked with their rounds (default: refuse them).")
+def report(run_dirs, out_dir, no_figures, include_incomplete) -> None:
     """Compare runs: a table (mean ± std over seeds) and figures."""
     from fedaval.report import write_report
 
-    result = write_report(run_dirs, out_dir, figures=not no_figures)
+    result = write_report(run_dirs, out_dir, figures=not no_figures, include_incomplete=include_incomplete)
     click.echo(result.table)
+    click.echo("runs of each row:\n" + result.grouping)
     click.echo("wrote " + ", ".join(str(p) for p in result.files))
 
 
