@@ -64,13 +64,13 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     4. on the evaluation schedule: the global model and the clients trained
        since their last evaluation are evaluated with Avalanche's metrics
        (``fedaval_classify(..., training=False)``); then
-       ``fedaval_round_metrics(run, round)``
+       ``fedaval_round_metrics(run, round)``, each plugin's result kept under
+       its name (the record's ``plugin_metrics``)
 
     Rounds are numbered from 1. Set-up hooks (``fedaval_setup``,
     ``fedaval_make_model``, ``fedaval_shared_keys``,
     ``fedaval_avalanche_plugins``) run once, before round 1.
     """
-    hook = run.hook
     start = time.perf_counter()
     run.round = round
     sampled = run.schedule[round - 1]
@@ -108,14 +108,30 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     eval_start = time.perf_counter()
     if task_end or round % run.config.eval_every == 0 or round == run.total_rounds:
         record.update(evaluate(run, round))
-        for extra in hook.fedaval_round_metrics(run=run, round=round):
-            record.update(extra or {})
+        record["plugin_metrics"] = plugin_round_metrics(run, round)
     offload_idle(run, round)
     record["seconds_local"] = seconds_local
     record["seconds_fusion"] = seconds_fusion
     record["seconds_eval"] = time.perf_counter() - eval_start
     record["seconds"] = time.perf_counter() - start
     return record
+
+
+def plugin_round_metrics(run: Run, round: int) -> dict[str, dict[str, Any]]:
+    """``fedaval_round_metrics`` of every plugin, under the plugin's name
+    (``{"gldp": {"gldp_a_loc_gp": 0.8}}``), so a plugin cannot overwrite the
+    core's keys (``global_accuracy``, ``bytes_up``) or another plugin's.
+
+    The implementations are called one by one, in pluggy's order, to know
+    whose result is whose (a plain hook call returns the results unnamed)."""
+    caller = run.hook.fedaval_round_metrics
+    kwargs = {"run": run, "round": round}
+    out: dict[str, dict[str, Any]] = {}
+    for impl in reversed(caller.get_hookimpls()):
+        values = impl.function(*(kwargs[name] for name in impl.argnames))
+        if values:
+            out.setdefault(impl.plugin_name, {}).update(values)
+    return out
 
 
 def evaluate(run: Run, round: int) -> dict[str, Any]:
@@ -335,4 +351,8 @@ def log_round(run: Run, record: dict[str, Any]) -> None:
             writer.add_scalar(f"Fed/{key}", record[key], step)
     for name, value in record["losses"].items():
         writer.add_scalar(f"Fed/{name}", value, step)
+    for plugin, values in record.get("plugin_metrics", {}).items():
+        for name, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                writer.add_scalar(f"Fed/{plugin}/{name}", value, step)
     writer.flush()

@@ -22,6 +22,7 @@ import pluggy
 from fedaval import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
 from fedaval.errors import FedavalUsageError, choice_error
 from fedaval.options import build_options
+from fedaval.plugin import CORE_LOSS_TERMS
 
 DEFAULT_PLUGINS = ("fedavg",)
 """Registered in every run, whatever ``--plugins`` says. Their hooks are
@@ -143,7 +144,23 @@ def load_plugins(
         loaded.names.append(name)
         loaded.objects[name] = instance
     check_competing_hooks(pm)
+    check_loss_terms(loaded)
     return loaded
+
+
+def check_loss_terms(loaded: LoadedPlugins) -> None:
+    """Refuse declared local-loss term names (a plugin's ``loss_terms``) that
+    the core's terms or another plugin already use: they would be summed into
+    one logged figure."""
+    owner: dict[str, str] = {term: "the core" for term in CORE_LOSS_TERMS}
+    for name in loaded.names:
+        for term in getattr(loaded.objects[name], "loss_terms", None) or ():
+            if term in owner:
+                raise FedavalUsageError(
+                    f"plugin {name!r} declares the local-loss term {term!r}, which {owner[term]} "
+                    f"{'uses' if owner[term] == 'the core' else 'also declares'}; each term needs its own name"
+                )
+            owner[term] = f"plugin {name!r}"
 
 
 def check_competing_hooks(pm: pluggy.PluginManager) -> None:

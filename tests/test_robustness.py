@@ -286,3 +286,60 @@ def test_report_lists_the_runs_of_each_row(two_seeds, tmp_path):
     assert result.exit_code == 0, result.output
     assert f"fedavg fcil-sync digits: {two_seeds / 's1'}, {two_seeds / 's2'}" in result.output
     assert results_of(two_seeds / "s1")["status"] == {"state": "complete", "rounds_done": 4, "rounds_total": 4}
+
+
+# ---------------------------------------------------------------- plugin metrics and loss terms
+
+
+class Cheats:
+    """Round metrics named like the core's, and an extra metric of its own."""
+
+    name = "cheats"
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        return {"global_accuracy": 0.999, "bytes_up": -5, "mine": 1.0}
+
+
+def test_plugin_round_metrics_go_under_the_plugins_name(tiny_config):
+    from fedaval.api import run_training
+
+    results = run_training(tiny_config(), extra_plugins=[Cheats()])
+    for record in results["rounds"]:
+        assert record["plugin_metrics"] == {"cheats": {"global_accuracy": 0.999, "bytes_up": -5, "mine": 1.0}}
+        assert record["global_accuracy"] != 0.999 and record["bytes_up"] > 0
+    assert results["final"]["accuracy"] != 0.999 and results["final"]["bytes_up"] > 0
+
+
+def _term_plugin(term, declare):
+    class Term:
+        name = f"term-{term}"
+        loss_terms = (term,) if declare else ()
+
+        @hookimpl
+        def fedaval_local_loss(self, run, client, batch):
+            return {term: batch.loss * 0}
+
+    return Term()
+
+
+@pytest.mark.parametrize("term", ["classification", "total"])
+def test_a_loss_term_named_like_the_cores_is_a_one_line_error(tiny_config, term):
+    from fedaval.api import run_training
+    from fedaval.errors import FedavalUsageError
+    from fedaval.plugin_manager import get_plugin_manager, load_plugins
+
+    with pytest.raises(FedavalUsageError, match=f"plugin 'term-{term}' declares the local-loss term '{term}', which the core uses"):
+        load_plugins(get_plugin_manager(), [], {}, extra=[_term_plugin(term, declare=True)])
+    with pytest.raises(FedavalUsageError, match=f"a plugin returns the local-loss term '{term}', a name the core uses"):
+        run_training(tiny_config(), extra_plugins=[_term_plugin(term, declare=False)])
+
+
+def test_two_plugins_declaring_one_loss_term_are_refused():
+    from fedaval.errors import FedavalUsageError
+    from fedaval.plugin_manager import get_plugin_manager, load_plugins
+
+    a, b = _term_plugin("prox", declare=True), _term_plugin("prox", declare=True)
+    b.name = "other"
+    with pytest.raises(FedavalUsageError, match="plugin 'other' declares the local-loss term 'prox', which plugin 'term-prox' also declares"):
+        load_plugins(get_plugin_manager(), [], {}, extra=[a, b])
