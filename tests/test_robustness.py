@@ -343,3 +343,9 @@ def test_two_plugins_declaring_one_loss_term_are_refused():
     b.name = "other"
     with pytest.raises(FedavalUsageError, match="plugin 'other' declares the local-loss term 'prox', which plugin 'term-prox' also declares"):
         load_plugins(get_plugin_manager(), [], {}, extra=[a, b])
+
+
+def test_generic_avalanche_options_without_a_type_must_be_numbers(tmp_path):
+    line = one_line_error(["train", "--out", str(tmp_path / "r"), "--plugins", "avalanche:EWCPlugin",
+                           "-o", "avalanche.ewc_lambda=abc", *TINY])
+    assert "bad value avalanche.ewc_lambda='abc'; expected int or float or bool" in line
