@@ -140,6 +140,8 @@ def _train(run: Any, results: dict[str, Any] | None, show_progress: bool) -> dic
 
         done = len(results["rounds"]) if results else 0
         bar = tqdm(total=run.total_rounds, initial=done, unit="round", dynamic_ncols=True)
+        # within a round: how many of its clients have trained (a round can take minutes)
+        run.on_client = lambda round, trained, sampled: bar.set_postfix_str(f"round {round}: {trained}/{sampled} clients")
 
     def on_round(record: dict[str, Any]) -> None:
         if bar is None:

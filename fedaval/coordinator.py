@@ -80,7 +80,12 @@ def run_round(run: Run, round: int) -> dict[str, Any]:
     losses: dict[str, list[float]] = {}
     failed: list[dict[str, Any]] = []
     run.timer.seconds = 0.0
-    for result in run.backend.train_clients(run, sampled, download, round):
+    on_client = getattr(run, "on_client", None)  # progress within a round (fedaval.api sets it)
+    if on_client is not None:
+        on_client(round, 0, len(sampled))
+    for done, result in enumerate(run.backend.train_clients(run, sampled, download, round), 1):
+        if on_client is not None:
+            on_client(round, done, len(sampled))
         if result.failure is not None:
             failed.append(client_failed(run, result, round))
             continue

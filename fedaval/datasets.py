@@ -182,8 +182,12 @@ def _fingerprint(root: Path) -> str:
 def _decode(paths: list[str], size: tuple[int, int] | None) -> torch.Tensor:
     from PIL import Image
 
+    from tqdm import tqdm
+
     out = None
-    for i, path in enumerate(paths):
+    # a progress bar on a terminal only (disable=None), for folders that take a while (Tiny-ImageNet: ~40 s)
+    shown = tqdm(paths, desc="decoding images", unit="image", leave=False, disable=None if len(paths) >= 2000 else True)
+    for i, path in enumerate(shown):
         try:
             with Image.open(path) as img:
                 img = img.convert("RGB")

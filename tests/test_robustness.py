@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -349,3 +350,33 @@ def test_generic_avalanche_options_without_a_type_must_be_numbers(tmp_path):
     line = one_line_error(["train", "--out", str(tmp_path / "r"), "--plugins", "avalanche:EWCPlugin",
                            "-o", "avalanche.ewc_lambda=abc", *TINY])
     assert "bad value avalanche.ewc_lambda='abc'; expected int or float or bool" in line
+
+
+# ---------------------------------------------------------------- feedback
+
+
+def test_progress_shows_the_clients_of_a_round(tiny_config, capsys):
+    from fedaval.api import run_training
+
+    run_training(tiny_config(), show_progress=True)
+    assert "round 1: 2/2 clients" in capsys.readouterr().err
+
+
+def test_listed_avalanche_plugins_that_need_a_qp_solver_run(tiny_config):
+    import tomllib
+
+    from fedaval.api import run_training
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert any(dep.startswith("quadprog") for dep in project["dependencies"]), "avalanche:GEMPlugin needs quadprog"
+    results = run_training(tiny_config(plugins=["avalanche:GEMPlugin"], rounds_per_task=1, plugin_options={
+        "avalanche": {"patterns_per_experience": "10", "memory_strength": "0.5"}}))
+    assert results["status"]["state"] == "complete"
+
+
+def test_every_option_of_every_command_has_help_text():
+    from fedaval.cli import cli
+
+    missing = [f"{name} {param.opts[0]}" for name, command in cli.commands.items() for param in command.params
+               if isinstance(param, click.Option) and not param.help]
+    assert missing == []

@@ -90,16 +90,17 @@ def cli() -> None:
 @click.option("--rounds-per-task", default=3, show_default=True, type=int, help="Federated rounds per task.")
 @click.option("--local-epochs", default=1, show_default=True, type=int, help="Local epochs per round.")
 @click.option("--clients-per-round", default=0, show_default=True, type=int, help="Clients sampled per round (0: all).")
-@click.option("--batch-size", default=32, show_default=True, type=int)
-@click.option("--lr", default=0.01, show_default=True, type=float)
-@click.option("--momentum", default=0.0, show_default=True, type=float)
-@click.option("--weight-decay", default=1e-4, show_default=True, type=float)
+@click.option("--batch-size", default=32, show_default=True, type=int, help="Minibatch size of local training.")
+@click.option("--lr", default=0.01, show_default=True, type=float, help="Learning rate of the clients' SGD (finite, > 0).")
+@click.option("--momentum", default=0.0, show_default=True, type=float, help="SGD momentum, in [0, 1).")
+@click.option("--weight-decay", default=1e-4, show_default=True, type=float, help="SGD weight decay (L2), >= 0.")
 @click.option("--eval-every", default=1, show_default=True, type=int,
               help="Evaluate every N rounds (and always at the end of each task).")
 @click.option("--utility-lambda", default=0.5, show_default=True, type=float,
               help="lambda of the continual utility U = lambda*stability + (1-lambda)*plasticity.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:<index>.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seed of the partition, client sampling, initialisation and data order, in [0, 2**32 - 1].")
 @click.option("--seeds", default=None, metavar="S1,S2,...",
               help="Run once per seed into sibling folders OUT-s<seed>, e.g. --seeds 42,1999,2024.")
 @click.option("--out", default=None, help="Run folder (default: runs/<time>-<plugins>-<scenario>-<dataset>-s<seed>).")
