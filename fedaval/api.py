@@ -42,10 +42,24 @@ def check_settings(settings: dict[str, Any] | RunConfig) -> RunConfig:
     checks every seed's settings this way before the first run starts."""
     config = settings if isinstance(settings, RunConfig) else RunConfig(**settings)
     config.validate()
+    _check_names(config)
     out_dir = Path(config.out) if config.out else default_out_dir(config)
     check_out_dir(out_dir)
     config.out = str(out_dir)
     return config
+
+
+def _check_names(config: RunConfig) -> None:
+    """Unknown scenario and plugin names, from the registries alone (the
+    entry points are listed, not imported)."""
+    from fedaval.plugin_manager import installed_plugins, resolve_plugin
+    from fedaval.scenarios import get_scenario
+
+    get_scenario(config.scenario)
+    installed = installed_plugins()
+    for spec in config.plugins:
+        if ":" not in spec and spec not in installed:
+            resolve_plugin(spec)  # raises the standard 'unknown plugin' error, importing nothing
 
 
 def default_out_dir(config: RunConfig) -> Path:

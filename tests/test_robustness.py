@@ -216,7 +216,7 @@ def test_usage_errors_come_before_torch_is_imported():
     code = (
         "import sys; from fedaval.cli import cli\n"
         "for args in (['train', '--seed', '-5'], ['train', '--lr', 'nan'], ['train', '--out', '/dev/null'],\n"
-        "             ['train', '--seeds', '1,-2']):\n"
+        "             ['train', '--seeds', '1,-2'], ['train', '--plugins', 'nosuch'], ['train', '--scenario', 'x']):\n"
         "    try: cli(args)\n"
         "    except SystemExit as exc: assert exc.code == 2, (args, exc.code)\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
