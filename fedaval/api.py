@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedaval.config import RunConfig
-from fedaval.errors import FedavalUsageError
+from fedaval.errors import FedavalUsageError, RunFailure
 
 
 def run_training(
@@ -29,7 +29,10 @@ def run_training(
     from fedaval.run import Run
 
     run = Run(config, extra_plugins=extra_plugins, out_dir=out_dir)
-    atomic_write_json(out_dir / "config.json", config.to_dict())
+    try:
+        atomic_write_json(out_dir / "config.json", config.to_dict())
+    except OSError as exc:
+        raise RunFailure(f"cannot write {out_dir / 'config.json'} ({exc.strerror}); nothing was trained") from None
     results = _train(run, None, show_progress)
     if echo is not None:
         echo(format_summary(results, out_dir))

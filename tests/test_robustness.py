@@ -117,6 +117,30 @@ def test_full_disk_writing_results_json_is_one_line(tmp_path, monkeypatch):
     assert results_of(out)["status"]["rounds_done"] == 1, "the last good results.json stays"
 
 
+def test_full_disk_before_the_first_round_is_one_line(tmp_path, monkeypatch):
+    import fedaval.atomic
+
+    _full_disk_on(monkeypatch, fedaval.atomic, "atomic_write_json", after=0)
+    line = one_line_error(["train", "--out", str(tmp_path / "run"), *TINY], code=1)
+    assert "config.json (No space left on device); nothing was trained" in line
+
+
+class InterruptSetUp:
+    """Ctrl-C while the run is being set up."""
+
+    name = "interrupt-setup"
+
+    @hookimpl
+    def fedaval_setup(self, run):
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_before_the_first_round_is_one_line(tmp_path):
+    line = one_line_error(["train", "--out", str(tmp_path / "r"), "--plugins", "test_robustness:InterruptSetUp", *TINY],
+                          code=130)
+    assert "interrupted before the run's first round finished" in line
+
+
 # ---------------------------------------------------------------- competing plugins
 
 

@@ -44,6 +44,9 @@ class FedavalGroup(click.Group):
         except RunInterrupted as exc:
             click.echo(f"fedaval: {exc}", err=True)
             ctx.exit(130)
+        except KeyboardInterrupt:  # before the first round started (loading data, building clients)
+            click.echo("fedaval: interrupted before the run's first round finished; its folder holds no results", err=True)
+            ctx.exit(130)
 
 
 @contextmanager
