@@ -221,36 +221,9 @@ def train(
     after the rounds it already holds. A run that is already complete gets
     its results.json rewritten from them (it may have been damaged)."""
     results = new_results(run) if results is None else results
-    matrix: list[list[float | None]] = [t["accuracy"] for t in results["tasks"]]
-    done = len(results["rounds"])
     set_status(run, results, "running")
     try:
-        for task in range(run.num_tasks):
-            rounds = [r for r in run.rounds_of_task(task) if r > done]
-            if not rounds:
-                continue
-            run.task = task
-            if rounds[0] == run.rounds_of_task(task)[0]:
-                run.server.begin_task(task)
-            for round in rounds:
-                try:
-                    record = run_round(run, round)
-                except RunFailure as exc:
-                    raise RunFailure(f"{exc}{resume_hint(run)}") from exc
-                results["rounds"].append(record)
-                if record["task_end"]:
-                    row = record.get("global_task_accuracy", [])
-                    matrix.append(row)
-                    results["tasks"].append({"task": task, "accuracy": row, "global_accuracy": record.get("global_accuracy")})
-                results["final"] = summarise(results["rounds"], matrix)
-                set_status(run, results, "running" if round < run.total_rounds else "complete")
-                log_round(run, record)
-                if run.out_dir is not None:
-                    if checkpoint.is_due(run, round):
-                        _write(run, lambda: checkpoint.save(run, results))
-                    _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
-                if on_round is not None:
-                    on_round(record)
+        _train_rounds(run, results, on_round)
         set_status(run, results, "complete")
         if run.out_dir is not None:
             _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
@@ -263,6 +236,38 @@ def train(
         _mark_stopped(run, results, "failed")
         raise
     return results
+
+
+def _train_rounds(run: Run, results: dict[str, Any], on_round: Callable[[dict[str, Any]], None] | None) -> None:
+    """The rounds :func:`train` has left to run, appended to ``results``."""
+    matrix: list[list[float | None]] = [t["accuracy"] for t in results["tasks"]]
+    done = len(results["rounds"])
+    for task in range(run.num_tasks):
+        rounds = [r for r in run.rounds_of_task(task) if r > done]
+        if not rounds:
+            continue
+        run.task = task
+        if rounds[0] == run.rounds_of_task(task)[0]:
+            run.server.begin_task(task)
+        for round in rounds:
+            try:
+                record = run_round(run, round)
+            except RunFailure as exc:
+                raise RunFailure(f"{exc}{resume_hint(run)}") from exc
+            results["rounds"].append(record)
+            if record["task_end"]:
+                row = record.get("global_task_accuracy", [])
+                matrix.append(row)
+                results["tasks"].append({"task": task, "accuracy": row, "global_accuracy": record.get("global_accuracy")})
+            results["final"] = summarise(results["rounds"], matrix)
+            set_status(run, results, "running" if round < run.total_rounds else "complete")
+            log_round(run, record)
+            if run.out_dir is not None:
+                if checkpoint.is_due(run, round):
+                    _write(run, lambda: checkpoint.save(run, results))
+                _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
+            if on_round is not None:
+                on_round(record)
 
 
 def set_status(run: Run, results: dict[str, Any], state: str) -> None:
