@@ -117,8 +117,8 @@ def main() -> None:
             stages = [r for r in results["rounds"] if r.get("task_end")]
             raw[label] = {"final": last, "stages": stages, "seconds": seconds}
             if label == "GLDP":
-                rows.append(("GLDP-GP", last["a_glo"], last.get("gldp_a_loc_gp"), seconds))
-                rows.append(("GLDP-LP", last["a_glo"], last.get("gldp_a_loc_lp"), None))
+                rows.append(("GLDP-GP", last["a_glo"], last["plugin_metrics"]["gldp"].get("gldp_a_loc_gp"), seconds))
+                rows.append(("GLDP-LP", last["a_glo"], last["plugin_metrics"]["gldp"].get("gldp_a_loc_lp"), None))
             else:
                 rows.append((label, last["a_glo"], last["a_loc"], seconds))
             print(f"{label}: A_glo per stage {[pct(r['a_glo']) for r in stages]}, "

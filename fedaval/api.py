@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedaval.config import RunConfig
-from fedaval.errors import FedavalUsageError
+from fedaval.errors import FedavalUsageError, RunFailure
 
 
 def run_training(
@@ -23,20 +23,78 @@ def run_training(
     folder under ``runs/``; an existing folder that holds results is refused,
     so earlier results are never overwritten."""
     from fedaval.atomic import atomic_write_json
-    from fedaval.build import build_run, default_out_dir
+    from fedaval.build import build_run
 
-    config = settings if isinstance(settings, RunConfig) else RunConfig(**settings)
-    out_dir = Path(config.out) if config.out else default_out_dir(config)
-    if (out_dir / "results.json").exists():
-        raise FedavalUsageError(f"--out {str(out_dir)!r} already holds a run (results.json); choose another folder, or continue it with --resume")
-    config.out = str(out_dir)
-    config.validate()
+    config = check_settings(settings)
+    out_dir = Path(config.out)
     run = build_run(config, extra_plugins=extra_plugins, out_dir=out_dir)
-    atomic_write_json(out_dir / "config.json", config.to_dict())
+    try:
+        atomic_write_json(out_dir / "config.json", config.to_dict())
+    except OSError as exc:
+        raise RunFailure(f"cannot write {out_dir / 'config.json'} ({exc.strerror}); nothing was trained") from None
     results = _train(run, None, show_progress)
     if echo is not None:
         echo(format_summary(results, out_dir))
     return results
+
+
+def check_settings(settings: dict[str, Any] | RunConfig) -> RunConfig:
+    """The :class:`RunConfig` of ``settings``, validated, with its run folder
+    chosen (``out``) and checked, without importing torch: ``fedaval train``
+    checks every seed's settings this way before the first run starts."""
+    config = settings if isinstance(settings, RunConfig) else RunConfig(**settings)
+    config.validate()
+    _check_names(config)
+    out_dir = Path(config.out) if config.out else default_out_dir(config)
+    check_out_dir(out_dir)
+    config.out = str(out_dir)
+    return config
+
+
+def _check_names(config: RunConfig) -> None:
+    """Unknown scenario and plugin names, from the registries alone (the
+    entry points are listed, not imported)."""
+    from fedaval.plugin_manager import installed_plugins, resolve_plugin
+    from fedaval.scenarios import get_scenario
+
+    get_scenario(config.scenario)
+    installed = installed_plugins()
+    for spec in config.plugins:
+        if ":" not in spec and spec not in installed:
+            resolve_plugin(spec)  # raises the standard 'unknown plugin' error, importing nothing
+
+
+def default_out_dir(config: RunConfig) -> Path:
+    """``runs/<time>-<plugins>-<scenario>-<dataset>-s<seed>``, with characters
+    other than letters, digits and ``._+-`` (the ``:`` of ``avalanche:EWCPlugin``
+    or ``package.module:Class``) replaced by ``_``."""
+    import re
+    from datetime import datetime
+
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    methods = "+".join(config.plugins) or "fedavg"
+    name = f"{stamp}-{methods}-{config.scenario}-{config.dataset}-s{config.seed}"
+    return Path("runs") / re.sub(r"[^A-Za-z0-9._+-]", "_", name)
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """One-line errors for a run folder that cannot take a new run: one that
+    already holds results.json, a file, a path under a file, or a folder
+    (or its nearest existing parent) that cannot be written."""
+    import os
+
+    where = f"--out {str(out_dir)!r}"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FedavalUsageError(f"{where} is a file, not a folder; give a folder for the run")
+    if (out_dir / "results.json").exists():
+        raise FedavalUsageError(f"{where} already holds a run (results.json); choose another folder, or continue it with --resume")
+    existing = out_dir.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise FedavalUsageError(f"{where} is under {str(existing)!r}, which is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise FedavalUsageError(f"{where}: {str(existing)!r} is not writable (read-only file system or no permission)")
 
 
 def resume_training(
@@ -101,6 +159,8 @@ def _train(run: Any, results: dict[str, Any] | None, show_progress: bool) -> dic
 
         done = len(results["rounds"]) if results else 0
         bar = tqdm(total=run.total_rounds, initial=done, unit="round", dynamic_ncols=True)
+        # within a round: how many of its clients have trained (a round can take minutes)
+        run.on_client = lambda round, trained, sampled: bar.set_postfix_str(f"round {round}: {trained}/{sampled} clients")
 
     def on_round(record: dict[str, Any]) -> None:
         if bar is None:

@@ -14,14 +14,23 @@ from typing import IO, Any, Iterator
 @contextmanager
 def atomic_file(path: Path, mode: str = "wb", sync: bool = True) -> Iterator[IO]:
     """Open ``path.tmp`` for writing; when the block ends without error, flush
-    it (and fsync it, with ``sync``) and rename it to ``path``."""
+    it (and fsync it, with ``sync``) and rename it to ``path``. On an error
+    (a full disk, say) the temporary file is removed and ``path`` is left as
+    it was; a temporary file left by a kill is simply overwritten next time."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, mode) as fh:
-        yield fh
-        fh.flush()
-        if sync:
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, mode) as fh:
+            yield fh
+            fh.flush()
+            if sync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
 
 
 def atomic_write_json(path: Path, data: Any) -> None:

@@ -11,7 +11,6 @@ the caller's choice, passed to :func:`fedaval.coordinator.train`.
 from __future__ import annotations
 
 import random
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +63,11 @@ def build_run(config: RunConfig, extra_plugins: list[Any] = (), out_dir: Path | 
     rng = np.random.default_rng(config.seed)
     run.partition = spec.build(run.scenario_options, run.data.train_y.numpy(), run.num_classes, rng)
     run.num_tasks = run.partition.num_tasks
+    if config.clients_per_round > len(run.partition.clients):
+        raise FedavalUsageError(
+            f"bad value --clients-per-round {config.clients_per_round}; the scenario has "
+            f"{len(run.partition.clients)} clients, so it must be in [0, {len(run.partition.clients)}] (0: all)"
+        )
     run.schedule = make_schedule(run.partition, config.rounds_per_task, config.clients_per_round, rng)
 
     if out_dir is not None:
@@ -100,13 +104,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def default_out_dir(config: RunConfig) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    methods = "+".join(config.plugins) or "fedavg"
-    return Path("runs") / f"{stamp}-{methods}-{config.scenario}-{config.dataset}-s{config.seed}"
-
 
 
 def make_schedule(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,16 +78,20 @@ class RunConfig:
                 setattr(self, name, value)
 
     def validate(self) -> None:
-        """Fill the per-dataset defaults, then one-line errors for values no run can use."""
+        """Fill the per-dataset defaults, then one-line errors for values no run
+        can use (NaN and infinite floats included: every comparison below is
+        False for NaN)."""
         self.fill_defaults()
+        finite = {name: math.isfinite(getattr(self, name)) for name in ("lr", "weight_decay", "client_gpus", "lr_min")}
         checks = [
+            ("--seed", self.seed, 0 <= self.seed < 2**32, "in [0, 2**32 - 1]"),
             ("--rounds-per-task", self.rounds_per_task, self.rounds_per_task >= 1, ">= 1"),
             ("--local-epochs", self.local_epochs, self.local_epochs >= 1, ">= 1"),
             ("--clients-per-round", self.clients_per_round, self.clients_per_round >= 0, ">= 0 (0: all)"),
             ("--batch-size", self.batch_size, self.batch_size >= 1, ">= 1"),
-            ("--lr", self.lr, self.lr > 0, "> 0"),
+            ("--lr", self.lr, finite["lr"] and self.lr > 0, "finite and > 0"),
             ("--momentum", self.momentum, 0 <= self.momentum < 1, "in [0, 1)"),
-            ("--weight-decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+            ("--weight-decay", self.weight_decay, finite["weight_decay"] and self.weight_decay >= 0, "finite and >= 0"),
             ("--eval-every", self.eval_every, self.eval_every >= 1, ">= 1"),
             ("--utility-lambda", self.utility_lambda, 0 <= self.utility_lambda <= 1, "in [0, 1]"),
             ("--link-mbps", self.link_mbps, self.link_mbps > 0, "> 0 (Mbit/s)"),
@@ -98,12 +103,13 @@ class RunConfig:
             ("--offload-clients", self.offload_clients, self.offload_clients in OFFLOAD_POLICIES,
              "one of " + ", ".join(OFFLOAD_POLICIES)),
             ("--backend", self.backend, self.backend in BACKENDS, "one of " + ", ".join(BACKENDS)),
-            ("--client-gpus", self.client_gpus, 0 <= self.client_gpus, ">= 0 (a fraction of one GPU per client)"),
+            ("--client-gpus", self.client_gpus, finite["client_gpus"] and 0 <= self.client_gpus,
+             "finite and >= 0 (a fraction of one GPU per client)"),
             ("--optimizer-state", self.optimizer_state, self.optimizer_state in OPTIMIZER_STATES,
              "one of " + ", ".join(OPTIMIZER_STATES)),
             ("--lr-schedule", self.lr_schedule, self.lr_schedule in LR_SCHEDULES, "one of " + ", ".join(LR_SCHEDULES)),
             ("--augment", self.augment, self.augment in AUGMENTS, "one of " + ", ".join(AUGMENTS)),
-            ("--lr-min", self.lr_min, self.lr_schedule == "constant" or 0 < self.lr_min <= self.lr,
+            ("--lr-min", self.lr_min, self.lr_schedule == "constant" or (finite["lr_min"] and 0 < self.lr_min <= self.lr),
              f"in (0, --lr {self.lr}] for --lr-schedule {self.lr_schedule}"),
         ]
         for flag, value, ok, allowed in checks:

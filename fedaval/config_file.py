@@ -156,6 +156,9 @@ def parse_seeds(text: str) -> list[int]:
             seeds.append(int(item))
         except ValueError:
             raise FedavalUsageError(f"bad value --seeds {text!r}; expected comma-separated integers, e.g. 42,1999,2024") from None
+    for seed in seeds:
+        if not 0 <= seed < 2**32:
+            raise FedavalUsageError(f"bad value --seeds {text!r}: seed {seed} must be in [0, 2**32 - 1]")
     if len(set(seeds)) != len(seeds):
         raise FedavalUsageError(f"bad value --seeds {text!r}; a seed is repeated")
     return seeds

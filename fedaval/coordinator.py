@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from typing import Any, Callable
@@ -9,7 +10,7 @@ from typing import Any, Callable
 from fedaval import checkpoint
 from fedaval.atomic import atomic_write_json
 from fedaval.backends.local import Backend, ClientRound, LocalBackend
-from fedaval.errors import FedavalUsageError, RunFailure
+from fedaval.errors import FedavalUsageError, RunFailure, RunInterrupted
 from fedaval.offload import offload_idle
 from fedaval.evaluation import (
     STREAM_ACC,
@@ -79,7 +80,8 @@ def run_round(run: Run, round: int, backend: Backend | None = None) -> dict[str,
        unless ``fedaval_federation_model`` says the federation's model is the
        clients' models, the global model are evaluated with Avalanche's
        metrics (``fedaval_classify(..., training=False)``); then
-       ``fedaval_round_metrics(run, round)``. Every round records its
+       ``fedaval_round_metrics(run, round)``, each plugin's result kept under
+       its name (the record's ``plugin_metrics``). Every round records its
        computation seconds (local training + fusion, no evaluation) and its
        communication seconds (bytes up + down at ``--link-mbps``).
 
@@ -100,8 +102,13 @@ def run_round(run: Run, round: int, backend: Backend | None = None) -> dict[str,
     losses: dict[str, list[float]] = {}
     failed: list[dict[str, Any]] = []
     seconds_local = 0.0
-    for result in backend.train_clients(run, sampled, download, round, extras):
+    on_client = run.on_client  # progress within a round (fedaval.api sets it)
+    if on_client is not None:
+        on_client(round, 0, len(sampled))
+    for done, result in enumerate(backend.train_clients(run, sampled, download, round, extras), 1):
         seconds_local += result.seconds
+        if on_client is not None:
+            on_client(round, done, len(sampled))
         if result.failure is not None:
             failed.append(client_failed(run, result, round))
             continue
@@ -130,8 +137,7 @@ def run_round(run: Run, round: int, backend: Backend | None = None) -> dict[str,
     eval_start = time.perf_counter()
     if task_end or round % run.config.eval_every == 0 or round == run.total_rounds:
         record.update(evaluate(run, round))
-        for extra in hook.fedaval_round_metrics(run=run, round=round):
-            record.update(extra or {})
+        record["plugin_metrics"] = plugin_round_metrics(run, round)
     offload_idle(run, round)
     record["seconds_local"] = seconds_local
     record["seconds_fusion"] = seconds_fusion
@@ -155,6 +161,8 @@ def client_extras(run: Run, client_id: int, download: dict[str, Any]) -> dict[st
     if clash:
         raise RuntimeError(f"fedaval_server_download may not replace broadcast entries: {', '.join(clash)}")
     return extra
+
+
 def communication_seconds(nbytes: int, link_mbps: float) -> float:
     """Seconds to send ``nbytes`` one after another over one link of
     ``link_mbps`` Mbit/s (10^6 bits per second): FedProK's tau1 of a round."""
@@ -181,6 +189,23 @@ GLOBAL_MODEL_KEYS = (
     "global_accuracy", "global_task_accuracy", "avalanche_forgetting", "avalanche_bwt",
     "a_glo", "stability", "plasticity", "utility",
 )
+
+
+def plugin_round_metrics(run: Run, round: int) -> dict[str, dict[str, Any]]:
+    """``fedaval_round_metrics`` of every plugin, under the plugin's name
+    (``{"gldp": {"gldp_a_loc_gp": 0.8}}``), so a plugin cannot overwrite the
+    core's keys (``global_accuracy``, ``bytes_up``) or another plugin's.
+
+    The implementations are called one by one, in pluggy's order, to know
+    whose result is whose (a plain hook call returns the results unnamed)."""
+    caller = run.hook.fedaval_round_metrics
+    kwargs = {"run": run, "round": round}
+    out: dict[str, dict[str, Any]] = {}
+    for impl in reversed(caller.get_hookimpls()):
+        values = impl.function(*(kwargs[name] for name in impl.argnames))
+        if values:
+            out.setdefault(impl.plugin_name, {}).update(values)
+    return out
 
 
 def evaluate(run: Run, round: int) -> dict[str, Any]:
@@ -268,21 +293,43 @@ def train(
     run has an output folder) and, on the ``--checkpoint-every`` schedule, a
     checkpoint, so an interrupted run keeps what it finished and can resume.
 
+    results.json's ``status`` says how far the run got (:func:`set_status`):
+    ``running`` while rounds remain, ``complete`` after the last one,
+    ``failed`` or ``interrupted`` (Ctrl-C, SIGTERM) when it stopped early.
+    A full disk while writing stops the run with a :class:`RunFailure`
+    naming the resume command; the previous results.json and checkpoint stay.
+
     ``results`` (from :func:`fedaval.checkpoint.restore`) continues a run
-    after the rounds it already holds. ``backend`` runs the clients' rounds
-    (default: the one ``--backend`` names, :func:`fedaval.backends.make_backend`)."""
+    after the rounds it already holds. A run that is already complete gets
+    its results.json rewritten from them (it may have been damaged).
+    ``backend`` runs the clients' rounds (default: the one ``--backend``
+    names, :func:`fedaval.backends.make_backend`)."""
     from fedaval.backends import make_backend
 
     results = new_results(run) if results is None else results
+    set_status(run, results, "running")
     try:
-        return _train(run, on_round, results, backend or make_backend(run))
+        _train_rounds(run, results, on_round, backend or make_backend(run))
+        set_status(run, results, "complete")
+        if run.out_dir is not None:
+            _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
+    except DiskFull:
+        raise  # nothing more can be written; the last good files stay as they are
+    except KeyboardInterrupt:
+        _mark_stopped(run, results, "interrupted")
+        raise RunInterrupted(interrupted_message(run, results)) from None
+    except BaseException:
+        _mark_stopped(run, results, "failed")
+        raise
     finally:
         run.hook.fedaval_teardown(run=run)
+    return results
 
 
-def _train(
-    run: Run, on_round: Callable[[dict[str, Any]], None] | None, results: dict[str, Any], backend: Backend
-) -> dict[str, Any]:
+def _train_rounds(
+    run: Run, results: dict[str, Any], on_round: Callable[[dict[str, Any]], None] | None, backend: Backend
+) -> None:
+    """The rounds :func:`train` has left to run, appended to ``results``."""
     matrix: list[list[float | None]] = [t["accuracy"] for t in results["tasks"]]
     done = len(results["rounds"])
     for task in range(run.num_tasks):
@@ -313,14 +360,68 @@ def _train(
                     "mean_client_accuracy": record.get("mean_client_accuracy"),
                 })
             results["final"] = summarise(results["rounds"], matrix, results.get("federation_model", "global"))
+            set_status(run, results, "running" if round < run.total_rounds else "complete")
             log_round(run, record, results["final"])
             if run.out_dir is not None:
                 if checkpoint.is_due(run, round):
-                    checkpoint.save(run, results)
-                atomic_write_json(run.out_dir / "results.json", results)
+                    _write(run, lambda: checkpoint.save(run, results))
+                _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
             if on_round is not None:
                 on_round(record)
-    return results
+
+
+def set_status(run: Run, results: dict[str, Any], state: str) -> None:
+    """results.json's ``status``: ``{"state": running | complete | failed |
+    interrupted, "rounds_done": n, "rounds_total": N}``."""
+    results["status"] = {"state": state, "rounds_done": len(results["rounds"]), "rounds_total": run.total_rounds}
+
+
+def _mark_stopped(run: Run, results: dict[str, Any], state: str) -> None:
+    """Record in results.json that the run stopped early, where one was
+    written already (a folder whose first round never finished stays free for
+    a new run). Best effort: a full disk keeps the last good file."""
+    set_status(run, results, state)
+    target = None if run.out_dir is None else run.out_dir / "results.json"
+    if target is not None and target.exists():
+        try:
+            atomic_write_json(target, results)
+        except OSError:
+            pass
+
+
+class DiskFull(RunFailure):
+    """No space left (or quota reached) while writing the run folder."""
+
+
+def _write(run: Run, write: Callable[[], Any]) -> None:
+    """Do one write of the run folder; a full disk (or quota) is a
+    :class:`DiskFull` that says how to go on once there is space."""
+    try:
+        write()
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        latest = checkpoint.saved(run.out_dir)
+        kept = f"checkpoint of round {latest[0][0]}" if latest else "no checkpoint"
+        raise DiskFull(
+            f"no space left on the device of {run.out_dir} after round {run.round} ({exc.strerror}); "
+            f"the last good results.json and {kept} are kept; free some space, then continue with: "
+            f"fedaval train --resume {run.out_dir}"
+        ) from None
+
+
+def interrupted_message(run: Run, results: dict[str, Any]) -> str:
+    done = len(results["rounds"])
+    where = f"interrupted in round {done + 1} of {run.total_rounds} ({done} complete)"
+    if run.out_dir is None:
+        return where
+    latest = checkpoint.saved(run.out_dir)
+    if not latest:
+        return f"{where}; no checkpoint was saved yet, so the run starts over with a new --out"
+    return (
+        f"{where}; the run folder {run.out_dir} is intact (newest checkpoint: round {latest[0][0]}); "
+        f"continue with: fedaval train --resume {run.out_dir}"
+    )
 
 
 def client_failed(run: Run, result: ClientRound, round: int) -> dict[str, Any]:
@@ -371,4 +472,8 @@ def log_round(run: Run, record: dict[str, Any], final: dict[str, Any] | None = N
         for key in STAGE_SCALARS:
             if final.get(key) is not None:
                 writer.add_scalar(f"Fed/{key}", final[key], step)
+    for plugin, values in record.get("plugin_metrics", {}).items():
+        for name, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                writer.add_scalar(f"Fed/{plugin}/{name}", value, step)
     writer.flush()

@@ -151,17 +151,43 @@ def _torchvision(name: str, cls_name: str, mean, std) -> Callable[[Path | None, 
     return load
 
 
+CACHE_FORMAT = 2
+
+
 def _cache_path(kind: str, root: Path) -> Path:
+    """Where the decoded tensors of ``root`` are cached: named by a hash of
+    what is read (:func:`_fingerprint`), so an added, removed, replaced or
+    edited image or annotation file gives a new cache entry."""
     cache = Path(os.environ.get("FEDAVAL_CACHE", Path.home() / ".cache" / "fedaval"))
-    stamp = f"{root.resolve()}:{root.stat().st_mtime_ns}"
+    stamp = f"{CACHE_FORMAT}:{kind}:{root.resolve()}:{_fingerprint(root)}"
     return cache / f"{kind}-{hashlib.sha1(stamp.encode()).hexdigest()[:16]}.pt"
+
+
+def _fingerprint(root: Path) -> str:
+    """A hash of every file under ``root``: relative path, size and
+    modification time (nanoseconds). A folder's own modification time is not
+    enough: it does not change when a file inside a sub-folder is added or
+    edited (Tiny-ImageNet's ``val/val_annotations.txt``). Listing 110,000
+    files takes about a second, against tens of seconds of decoding."""
+    digest = hashlib.sha1()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            st = os.stat(path)
+            digest.update(f"{os.path.relpath(path, root)}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 def _decode(paths: list[str], size: tuple[int, int] | None) -> torch.Tensor:
     from PIL import Image
 
+    from tqdm import tqdm
+
     out = None
-    for i, path in enumerate(paths):
+    # a progress bar on a terminal only (disable=None), for folders that take a while (Tiny-ImageNet: ~40 s)
+    shown = tqdm(paths, desc="decoding images", unit="image", leave=False, disable=None if len(paths) >= 2000 else True)
+    for i, path in enumerate(shown):
         try:
             with Image.open(path) as img:
                 img = img.convert("RGB")
@@ -169,7 +195,7 @@ def _decode(paths: list[str], size: tuple[int, int] | None) -> torch.Tensor:
                     size = img.size
                 if img.size != size:
                     img = img.resize(size)
-                arr = np.asarray(img, dtype=np.uint8)
+                arr = np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy warns on read-only arrays
         except OSError as exc:
             raise FedavalUsageError(f"cannot read image {path!r}: {exc}") from None
         if out is None:

@@ -12,6 +12,12 @@ class RunFailure(Exception):
     results and checkpoints written so far stay."""
 
 
+class RunInterrupted(Exception):
+    """A run stopped by Ctrl-C or SIGTERM. The message names the round
+    reached and the ``--resume`` command; the CLI prints it on one line and
+    exits 130. The results and checkpoints written so far stay."""
+
+
 def choice_error(what: str, value: object, allowed) -> FedavalUsageError:
     """Build the standard 'unknown X' error listing the allowed values."""
     allowed_text = ", ".join(str(a) for a in allowed) or "(none)"

@@ -5,6 +5,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 
+CORE_LOSS_TERMS = ("classification", "total")
+"""Loss terms the core logs itself (``loss/classification``, ``loss/total``):
+a plugin's term of either name would be summed into them unnoticed."""
+
+
 class Plugin:
     """A method: its options, its state, and its hook implementations.
 
@@ -23,6 +28,10 @@ class Plugin:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Options: ClassVar[type | None] = None
+    loss_terms: ClassVar[tuple[str, ...]] = ()
+    """Names of the local-loss terms the plugin returns, if it declares them:
+    checked at load time against the core's (``classification``, ``total``)
+    and the other plugins' (undeclared names are checked at first use)."""
 
     def __init__(self, options: Any = None):
         if options is None and self.Options is not None:

@@ -23,6 +23,7 @@ import pluggy
 from fedaval import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
 from fedaval.errors import FedavalUsageError, choice_error
 from fedaval.options import build_options
+from fedaval.plugin import CORE_LOSS_TERMS
 
 DEFAULT_PLUGINS = ("fedavg",)
 """Registered in every run, whatever ``--plugins`` says. Their hooks are
@@ -144,7 +145,51 @@ def load_plugins(
         loaded.names.append(name)
         loaded.objects[name] = instance
     check_hook_names(pm)
+    check_competing_hooks(pm)
+    check_loss_terms(loaded)
     return loaded
+
+
+def check_loss_terms(loaded: LoadedPlugins) -> None:
+    """Refuse declared local-loss term names (a plugin's ``loss_terms``) that
+    the core's terms or another plugin already use: they would be summed into
+    one logged figure."""
+    owner: dict[str, str] = {term: "the core" for term in CORE_LOSS_TERMS}
+    for name in loaded.names:
+        for term in getattr(loaded.objects[name], "loss_terms", None) or ():
+            if term in owner:
+                raise FedavalUsageError(
+                    f"plugin {name!r} declares the local-loss term {term!r}, which {owner[term]} "
+                    f"{'uses' if owner[term] == 'the core' else 'also declares'}; each term needs its own name"
+                )
+            owner[term] = f"plugin {name!r}"
+
+
+def check_competing_hooks(pm: pluggy.PluginManager) -> None:
+    """Refuse two plugins competing for one ``firstresult`` hook.
+
+    Of a ``firstresult`` hook's implementations only the first that returns a
+    value is used, so two methods both implementing one (two fusion rules, two
+    sets of shared keys, two models) would silently lose one. Implementations
+    registered ``trylast`` are defaults (FedAvg's, the core's) that a method
+    overrides, and wrappers only observe, so neither counts. Checked over
+    every hook spec with ``firstresult=True``, whatever its name."""
+    for name in sorted(vars(pm.hook)):
+        caller = getattr(pm.hook, name)
+        spec = getattr(caller, "spec", None)
+        if spec is None or not spec.opts.get("firstresult"):
+            continue
+        competing = [
+            impl.plugin_name
+            for impl in caller.get_hookimpls()
+            if not impl.trylast and not impl.hookwrapper and not getattr(impl, "wrapper", False)
+        ]
+        if len(competing) > 1:
+            names = [repr(p) for p in competing]  # in load order
+            raise FedavalUsageError(
+                f"plugins {', '.join(names[:-1])} and {names[-1]} both implement {name}, which uses only one result; "
+                "load one of them (a plugin meant as an overridable default marks it @hookimpl(trylast=True))"
+            )
 
 
 def spec_names() -> list[str]:

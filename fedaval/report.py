@@ -7,7 +7,12 @@ from each run folder's ``results.json`` (written by
 :func:`fedaval.evaluation.summarise`).
 
 Runs are grouped when their configurations differ only in ``seed`` (and in
-where they ran: ``out``, ``device``, ``data_root``, ``download``). For each
+where they ran: ``out``, ``device``, ``data_root``, ``download``); the report
+lists the run folders of every row. A run that is not complete (results.json's
+``status``, or for files written before it existed, fewer rounds than its
+tasks times ``rounds_per_task``) is refused, or with ``include_incomplete``
+reported with its rounds marked (``seeds`` shows ``3 (21/50 rounds)``); two
+runs of one row with the same seed are refused. For each
 group and metric the table shows the mean and the sample standard deviation
 (``n - 1`` in the denominator, as ``statistics.stdev``; blank for one run).
 A metric no run of a group recorded is blank; a column no group has is left
@@ -127,6 +132,38 @@ class RunResult:
     @property
     def seed(self) -> Any:
         return self.config.get("seed")
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return run_status(self.results)
+
+    @property
+    def complete(self) -> bool:
+        return self.status["state"] == "complete"
+
+    @property
+    def seed_label(self) -> str:
+        """The seed, with the rounds done when the run is not complete."""
+        status = self.status
+        if self.complete:
+            return str(self.seed)
+        return f"{self.seed} ({status['rounds_done']}/{status['rounds_total']} rounds)"
+
+
+def run_status(results: dict[str, Any]) -> dict[str, Any]:
+    """results.json's ``status`` (``state``, ``rounds_done``, ``rounds_total``);
+    for a file written before the status existed, worked out from its rounds:
+    ``complete`` when it holds every round, else ``incomplete``."""
+    status = results.get("status")
+    if isinstance(status, dict) and "state" in status:
+        return status
+    done = len(results.get("rounds") or [])
+    config = results.get("config") or {}
+    tasks = (results.get("scenario") or {}).get("num_tasks")
+    per_task = config.get("rounds_per_task")
+    total = tasks * per_task if isinstance(tasks, int) and isinstance(per_task, int) else None
+    state = "complete" if total is not None and done >= total else "incomplete"
+    return {"state": state, "rounds_done": done, "rounds_total": total}
 
 
 def load_run(path: str | Path) -> dict[str, Any]:
@@ -336,7 +373,7 @@ def markdown_table(rows: list[Row]) -> str:
         cells = [g.method, g.setting.get("scenario", ""), g.setting.get("dataset", "")]
         if "setting" in columns:
             cells.append(g.label)
-        cells += [str(len(g.runs)), ",".join(str(s) for s in g.seeds)]
+        cells += [str(len(g.runs)), ",".join(r.seed_label for r in g.runs)]
         cells += [_format_cell(row.stats[m.key], m.kind, len(g.runs)) for m in metrics]
         body.append(cells)
     widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(columns)]
@@ -367,7 +404,7 @@ def csv_table(rows: list[Row]) -> str:
             g.setting.get("dataset", ""),
             g.label,
             len(g.runs),
-            " ".join(str(s) for s in g.seeds),
+            " ".join(r.seed_label.replace(" ", "") for r in g.runs),
             " ".join(str(r.path) for r in g.runs),
         ]
         for m in metrics:
@@ -478,18 +515,68 @@ def _file_name(name: str) -> str:
 class Report:
     table: str
     files: list[Path]
+    grouping: str = ""
 
 
-def write_report(paths: list[str | Path], out_dir: str | Path = ".", figures: bool = True) -> Report:
+def check_runs(groups: list[Group], include_incomplete: bool) -> None:
+    """One-line errors for runs that would make a row silently wrong: a run
+    that is not complete (unless ``include_incomplete``), and two runs of one
+    row with the same seed (one experiment counted twice)."""
+    for group in groups:
+        for run in group.runs:
+            if not run.complete and not include_incomplete:
+                status = run.status
+                raise FedavalUsageError(
+                    f"run {str(run.path)!r} is not complete ({status['state']}, {status['rounds_done']} of "
+                    f"{status['rounds_total']} rounds); finish it with fedaval train --resume {run.path}, leave it "
+                    "out, or pass --include-incomplete to report it marked"
+                )
+        by_seed: dict[str, RunResult] = {}
+        for run in group.runs:
+            other = by_seed.setdefault(json.dumps(run.seed), run)
+            if other is not run:
+                raise FedavalUsageError(
+                    f"runs {str(other.path)!r} and {str(run.path)!r} have the same settings and the same seed "
+                    f"{run.seed}, so their mean would count one experiment twice; report one of them"
+                )
+
+
+def grouping_text(groups: list[Group]) -> str:
+    """Which run folders make each row: ``method scenario dataset [setting]: dir, dir``."""
+    lines = []
+    for g in groups:
+        head = " ".join(x for x in (g.method, str(g.setting.get("scenario", "")), str(g.setting.get("dataset", "")), g.label) if x)
+        lines.append(f"{head}: " + ", ".join(str(r.path) for r in g.runs))
+    return "\n".join(lines)
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise FedavalUsageError(f"--out-dir {str(out)!r} is a file, not a folder; give a folder for the report")
+
+
+def _make_out_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FedavalUsageError(f"--out-dir {str(out)!r} cannot be created ({exc.strerror})") from None
+
+
+def write_report(
+    paths: list[str | Path], out_dir: str | Path = ".", figures: bool = True, include_incomplete: bool = False
+) -> Report:
     """Read the runs, write ``report.md``, ``report.csv`` and (``figures``)
     ``accuracy.png`` and ``matrix-<run>.png`` per run into ``out_dir``;
-    return the Markdown table and the files written."""
+    return the Markdown table, the files written and which runs make each
+    row. Incomplete runs and repeated seeds are refused (:func:`check_runs`)."""
+    out = Path(out_dir)
+    _check_out_dir(out)  # before reading the runs: a usage error comes first
     runs = load_runs(list(paths))
     groups = group_runs(runs)
+    check_runs(groups, include_incomplete)
     rows = summarise_groups(groups)
     table = markdown_table(rows)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _make_out_dir(out)
     files: list[Path] = []
     images: list[Path] = []
     if figures:
@@ -501,11 +588,15 @@ def write_report(paths: list[str | Path], out_dir: str | Path = ".", figures: bo
         "of a row (runs that differ only in seed); E (computation + communication), bytes and seconds "
         "per federated round. Definitions: docs/report.md."
     )
-    md = ["# fedaval report", "", table, "", legend, ""]
+    if any(not r.complete for r in runs):
+        legend += " Seeds marked (k/n rounds) are runs that stopped before their last round."
+    grouping = grouping_text(groups)
+    md = ["# fedaval report", "", table, "", legend, "", "Runs of each row:", ""]
+    md += [f"- {line}" for line in grouping.splitlines()] + [""]
     md += [f"![{p.stem}]({p.name})" for p in images]
     md_path = out / "report.md"
     md_path.write_text("\n".join(md) + "\n")
     csv_path = out / "report.csv"
     csv_path.write_text(csv_table(rows))
     files += [md_path, csv_path, *images]
-    return Report(table, files)
+    return Report(table, files, grouping)

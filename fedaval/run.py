@@ -72,7 +72,8 @@ class Run:
     ``SummaryWriter``), ``device_tensors`` (the dataset's copies on
     ``device``), ``use_device_path`` (``--data-path`` decided), and
     ``offload_folder`` (where ``--offload-clients disk`` writes when the run
-    has no folder)."""
+    has no folder); ``on_client`` (a progress callback the API sets:
+    ``on_client(round, clients trained, clients sampled)``)."""
 
     config: RunConfig
     out_dir: Path | None
@@ -102,6 +103,7 @@ class Run:
         self.device_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.use_device_path: bool | None = None
         self.offload_folder: Path | None = None
+        self.on_client: Any = None  # progress within a round: on_client(round, trained, sampled)
 
     def model(self, client_id: int | None):
         """Client ``client_id``'s model (``None``: the server's), from ``fedaval_make_model``, split."""

@@ -32,6 +32,19 @@ from avalanche.core import SupervisedPlugin
 from avalanche.training.templates import SupervisedTemplate
 
 from fedaval.device_data import device_batches
+from fedaval.errors import FedavalUsageError
+from fedaval.plugin import CORE_LOSS_TERMS
+
+
+def loss_term_clash(name: str, seen: set[str]) -> FedavalUsageError:
+    """The one-line error for a plugin's local-loss term whose name is taken
+    (a plugin declaring its ``loss_terms`` gets it at load time instead)."""
+    if name in CORE_LOSS_TERMS:
+        return FedavalUsageError(
+            f"a plugin returns the local-loss term {name!r}, a name the core uses for its own terms "
+            f"({', '.join(CORE_LOSS_TERMS)}); rename the term"
+        )
+    return FedavalUsageError(f"two plugins return the local-loss term {name!r}; each term needs its own name")
 
 if TYPE_CHECKING:
     from fedaval.client import Client
@@ -158,8 +171,8 @@ class HookBridge(SupervisedPlugin):
         seen: set[str] = set()
         for terms in results:
             for name, term in (terms or {}).items():
-                if name in seen:
-                    raise RuntimeError(f"two plugins return the local-loss term {name!r}")
+                if name in CORE_LOSS_TERMS or name in seen:
+                    raise loss_term_clash(name, seen)
                 seen.add(name)
                 strategy.loss = strategy.loss + term
                 self._add("loss/" + name, term)

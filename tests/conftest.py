@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import warnings
 from pathlib import Path
 
 import pytest
 
-SHARED_CIFAR10 = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "cifar10-jpeg.tar.gz"
+CIFAR10_SUBSET = Path(__file__).resolve().parent / "data" / "cifar10"
 
 warnings.filterwarnings("ignore", message="No loggers specified")
 
@@ -28,18 +27,10 @@ def _cache_in_tmp(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def cifar10_root(tmp_path_factory) -> Path:
-    """A real subset of the shared CIFAR-10 (ImageFolder layout): 100 train and
-    50 test images per class, extracted from ../shared/datasets."""
-    if not SHARED_CIFAR10.exists():
-        pytest.fail(f"shared CIFAR-10 missing at {SHARED_CIFAR10}")
-    root = tmp_path_factory.mktemp("cifar10")
-    subprocess.run(
-        ["tar", "xzf", str(SHARED_CIFAR10), "-C", str(root), "--wildcards", "train/*/00[0-9][0-9].jpg",
-         "test/*/00[0-4][0-9].jpg"],
-        check=True,
-    )
-    return root
+def cifar10_root() -> Path:
+    """A real CIFAR-10 subset kept in the repository (ImageFolder layout): 30
+    train and 6 test images per class (see tests/data/cifar10/README.md)."""
+    return CIFAR10_SUBSET
 
 
 @pytest.fixture

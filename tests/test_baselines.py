@@ -168,10 +168,10 @@ def test_apfl_run_mixture_predicts_for_clients_and_leaves_w_alone(tiny_config, t
     # ... but with alpha = 1 the purely personal model v predicts for each client
     assert _client_acc(apfl) != _client_acc(fedavg)
     assert "loss/apfl_personal" in apfl["rounds"][-1]["losses"]
-    assert apfl["rounds"][-1]["apfl_mean_alpha"] == 1.0
+    assert apfl["rounds"][-1]["plugin_metrics"]["apfl"]["apfl_mean_alpha"] == 1.0
 
 
 def test_apfl_alpha_is_learnt(tiny_config):
     results = run_training(tiny_config(plugins=["apfl"], rounds_per_task=1, plugin_options={"apfl": {"alpha": "0.5"}}))
-    alphas = [r["apfl_mean_alpha"] for r in results["rounds"]]
+    alphas = [r["plugin_metrics"]["apfl"]["apfl_mean_alpha"] for r in results["rounds"]]
     assert all(0 <= a <= 1 for a in alphas) and alphas[-1] != 0.5

@@ -267,7 +267,8 @@ def test_losses_and_metrics_are_recorded(gldp_run):
     assert all({"loss/gldp_lp", "loss/gldp_gp"} <= set(r["losses"]) for r in rounds)
     assert rounds[0]["losses"]["loss/gldp_gp"] == 0  # no global prototype before the first task end
     assert rounds[2]["losses"]["loss/gldp_gp"] > 0
-    assert 0 <= rounds[-1]["gldp_a_loc_gp"] <= 1 and 0 <= rounds[-1]["gldp_a_loc_lp"] <= 1
+    gldp = rounds[-1]["plugin_metrics"]["gldp"]
+    assert 0 <= gldp["gldp_a_loc_gp"] <= 1 and 0 <= gldp["gldp_a_loc_lp"] <= 1
 
 
 def test_epochs_that_do_not_add_up_are_a_usage_error(tiny_config):

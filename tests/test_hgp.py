@@ -1,6 +1,6 @@
 """HGP as a plugin: frozen backbone, prompts and classifier shared, class
 Gaussians uploaded, server classifier re-balanced. Digits with a tiny ViT,
-and the shared CIFAR-10 subset with the pre-trained EfficientNet-Lite0."""
+and the CIFAR-10 subset of tests/data with the pre-trained EfficientNet-Lite0."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def test_server_library_keeps_every_class_ever_learned(runs):
     for record in pfcl["rounds"]:
         for k in record["clients"]:
             taught.update(pfcl["scenario"]["client_task_classes"][k][record["task"]])
-        assert record["pfcl_library_classes"] == len(taught)
+        assert record["plugin_metrics"]["pfcl"]["pfcl_library_classes"] == len(taught)
     assert sorted(probe.pfcl.library) == sorted(taught)
 
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from fedaval.errors import FedavalUsageError
 from fedaval.payload import Upload, check_finite, merge_entries
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ def client_round(
             check_losses(losses)
             entries = merge_entries(hook.fedaval_client_upload(run=run, client=client), "upload")
             check_finite(entries, "upload")
+        except FedavalUsageError:
+            raise  # a plugin misused (a clashing loss-term name): the same in every client, not a client failure
         except Exception as exc:  # noqa: BLE001 - the coordinator applies the failure policy
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
             return ClientRound(client.id, failure=reason, error=exc, seconds=seconds)

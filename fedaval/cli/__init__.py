@@ -6,10 +6,12 @@ import torch.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import click
 
 from fedaval import config_file
-from fedaval.errors import FedavalUsageError, RunFailure
+from fedaval.errors import FedavalUsageError, RunFailure, RunInterrupted
 
 
 def parse_assignments(values: tuple[str, ...]) -> dict[str, dict[str, str]]:
@@ -26,7 +28,9 @@ def parse_assignments(values: tuple[str, ...]) -> dict[str, dict[str, str]]:
 
 class FedavalGroup(click.Group):
     """Prints a :class:`FedavalUsageError` as one line and exits with status 2,
-    a :class:`RunFailure` as one line and exits with status 1."""
+    a :class:`RunFailure` as one line and exits with status 1, a
+    :class:`RunInterrupted` (Ctrl-C, SIGTERM) as one line and exits with
+    status 130."""
 
     def invoke(self, ctx):
         try:
@@ -37,6 +41,33 @@ class FedavalGroup(click.Group):
         except RunFailure as exc:
             click.echo(f"fedaval: run stopped: {exc}", err=True)
             ctx.exit(1)
+        except RunInterrupted as exc:
+            click.echo(f"fedaval: {exc}", err=True)
+            ctx.exit(130)
+        except KeyboardInterrupt:  # before the first round started (loading data, building clients)
+            click.echo("fedaval: interrupted before the run's first round finished; its folder holds no results", err=True)
+            ctx.exit(130)
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """Within the block SIGTERM raises :class:`KeyboardInterrupt`, as Ctrl-C
+    does, so a terminated run records where it stopped and says how to resume."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @click.group(cls=FedavalGroup)
@@ -63,10 +94,10 @@ def cli() -> None:
 @click.option("--local-epochs", default=None, type=int,
               help="Local epochs per round. Default: 2 on digits, 1 elsewhere.")
 @click.option("--clients-per-round", default=0, show_default=True, type=int, help="Clients sampled per round (0: all).")
-@click.option("--batch-size", default=32, show_default=True, type=int)
+@click.option("--batch-size", default=32, show_default=True, type=int, help="Minibatch size of local training.")
 @click.option("--lr", default=None, type=float, help="Local SGD learning rate. Default: 0.1 on digits, 0.01 elsewhere.")
 @click.option("--momentum", default=None, type=float, help="Local SGD momentum. Default: 0 on digits, 0.9 elsewhere.")
-@click.option("--weight-decay", default=1e-4, show_default=True, type=float)
+@click.option("--weight-decay", default=1e-4, show_default=True, type=float, help="SGD weight decay (L2), >= 0.")
 @click.option("--optimizer-state", default="reset", show_default=True,
               help="reset: a fresh optimizer state (momentum) every round, as FedAvg/FedProx/FedNova clients; "
                    "keep: one state for the whole run.")
@@ -84,7 +115,8 @@ def cli() -> None:
 @click.option("--link-mbps", default=100.0, show_default=True, type=float,
               help="Link speed in Mbit/s for the communication seconds of the efficiency E (bytes x 8 / speed).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:<index>.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seed of the partition, client sampling, initialisation and data order, in [0, 2**32 - 1].")
 @click.option("--seeds", default=None, metavar="S1,S2,...",
               help="Run once per seed into sibling folders OUT-s<seed>, e.g. --seeds 42,1999,2024.")
 @click.option("--out", default=None, help="Run folder (default: runs/<time>-<plugins>-<scenario>-<dataset>-s<seed>).")
@@ -119,16 +151,24 @@ def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs
             raise FedavalUsageError(f"--resume takes no other run option (the run's config.json holds them); got {', '.join(given)}")
         from fedaval.api import resume_training
 
-        resume_training(resume_dir, show_progress=not quiet, echo=click.echo)
+        with sigterm_as_interrupt():
+            resume_training(resume_dir, show_progress=not quiet, echo=click.echo)
         return
     kwargs["plugins"] = split_plugin_specs(plugins)
     kwargs["plugin_options"] = config_file.merge_options(config_file.file_options(ctx), parse_assignments(options))
     kwargs["out"] = out
     from_cli = {name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE for name in ("seed", "seeds")}
+    from fedaval.api import check_settings
+
+    # every seed's settings and run folder are checked before the first run starts (torch not imported yet)
+    runs = config_file.settings_per_seed(kwargs, seeds, from_cli["seed"], from_cli["seeds"])
+    for settings in runs:
+        check_settings(settings)
     from fedaval.api import run_training
 
-    for settings in config_file.settings_per_seed(kwargs, seeds, from_cli["seed"], from_cli["seeds"]):
-        run_training(settings, show_progress=not quiet, echo=click.echo)
+    with sigterm_as_interrupt():
+        for settings in runs:
+            run_training(settings, show_progress=not quiet, echo=click.echo)
 
 
 @cli.command("plugins")
@@ -167,12 +207,15 @@ def list_scenarios() -> None:
 @click.option("--out-dir", default=".", show_default=True,
               help="Where report.md, report.csv and the PNG figures go.")
 @click.option("--no-figures", is_flag=True, help="Only the tables.")
-def report(run_dirs, out_dir, no_figures) -> None:
+@click.option("--include-incomplete", is_flag=True,
+              help="Report runs that stopped before their last round, marked with their rounds (default: refuse them).")
+def report(run_dirs, out_dir, no_figures, include_incomplete) -> None:
     """Compare runs: a table (mean ± std over seeds) and figures."""
     from fedaval.report import write_report
 
-    result = write_report(run_dirs, out_dir, figures=not no_figures)
+    result = write_report(run_dirs, out_dir, figures=not no_figures, include_incomplete=include_incomplete)
     click.echo(result.table)
+    click.echo("runs of each row:\n" + result.grouping)
     click.echo("wrote " + ", ".join(str(p) for p in result.files))
 
 

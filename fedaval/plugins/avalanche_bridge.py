@@ -164,7 +164,7 @@ def load_avalanche_class(class_name: str) -> type:
 
 
 _SCALARS = (bool, int, float, str)
-_ANY_SCALAR = Optional[Union[int, float, bool, str]]
+_ANY_NUMBER = Optional[Union[int, float, bool]]
 
 
 class _Required:
@@ -187,8 +187,9 @@ def option_type(parameter: inspect.Parameter) -> Any | None:
 
     From the annotation when it is a scalar type (``int``, ``Optional[float]``,
     ``Literal[...]``); else from the default's type; else (no annotation, no
-    usable default: ``ewc_lambda``) any scalar, parsed as int, float, bool or
-    string in that order."""
+    usable default: ``ewc_lambda``) a number, parsed as int, float or bool in
+    that order, so ``-o avalanche.ewc_lambda=abc`` is refused before training
+    (a string only for names ending in ``_name``, as ``cwr_layer_name``)."""
     annotation = parameter.annotation
     if isinstance(annotation, str):
         annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation, inspect.Parameter.empty)
@@ -204,7 +205,9 @@ def option_type(parameter: inspect.Parameter) -> Any | None:
             return Optional[Union[tuple(scalars)]] if len(scalars) > 1 else Optional[scalars[0]]
     default = parameter.default
     if default is inspect.Parameter.empty or default is None:
-        return _ANY_SCALAR if annotation is inspect.Parameter.empty or origin is Union else None
+        if annotation is not inspect.Parameter.empty:
+            return None  # Optional[SomeObject], Optional[Sequence[str]]: not for a command line
+        return Optional[str] if parameter.name.endswith("_name") else _ANY_NUMBER
     if type(default) in _SCALARS:
         return type(default)
     return None
