@@ -37,7 +37,7 @@ class Terminate:
     fired = False
 
     @hookimpl
-    def fedaval_local_epoch_start(self, run, client, epoch):
+    def fedaval_client_epoch_start(self, run, client, epoch):
         if run.round == 2 and not Terminate.fired:
             Terminate.fired = True
             os.kill(os.getpid(), signal.SIGTERM)
@@ -97,7 +97,10 @@ def test_full_disk_stops_with_one_line_keeps_the_last_good_files_and_resumes(tmp
     # the same run uninterrupted gives the same results
     from fedaval.api import run_training
 
-    whole = run_training(tiny_run_config(tmp_path / "whole", rounds_per_task=2))
+    from fedaval.config import RunConfig
+
+    settings = json.loads((out / "config.json").read_text())
+    whole = run_training(RunConfig.from_dict({**settings, "out": str(tmp_path / "whole")}))
     assert strip_timing(resumed)["rounds"] == strip_timing(whole)["rounds"]
 
     # --resume on the finished run rewrites a corrupt results.json from the checkpoint
@@ -150,7 +153,7 @@ class MedianFusion:
     name = "median"
 
     @hookimpl
-    def fedaval_fuse_weights(self, run, uploads, global_weights):
+    def fedaval_server_fuse_weights(self, run, uploads, global_weights):
         return None
 
 
@@ -160,7 +163,7 @@ class DefaultMedianFusion:
     name = "default-median"
 
     @hookimpl(trylast=True)
-    def fedaval_fuse_weights(self, run, uploads, global_weights):
+    def fedaval_server_fuse_weights(self, run, uploads, global_weights):
         return None
 
 
@@ -342,7 +345,7 @@ def _term_plugin(term, declare):
         loss_terms = (term,) if declare else ()
 
         @hookimpl
-        def fedaval_local_loss(self, run, client, batch):
+        def fedaval_client_loss(self, run, client, batch):
             return {term: batch.loss * 0}
 
     return Term()
