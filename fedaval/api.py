@@ -53,15 +53,23 @@ def check_settings(settings: dict[str, Any] | RunConfig) -> RunConfig:
 
 def _check_names(config: RunConfig) -> None:
     """Unknown scenario and plugin names, from the registries alone (the
-    entry points are listed, not imported)."""
-    from fedaval.plugin_manager import installed_plugins, resolve_plugin
-    from fedaval.scenarios import get_scenario
+    entry points are listed, not imported). A scenario that is not built in
+    may come from a third-party plugin (``fedaval_register_scenarios``): it is
+    checked here only when every named plugin is one of fedaval's own, and
+    otherwise once the plugins are loaded."""
+    from fedaval.plugin_manager import SPEC_FACTORIES, installed_plugins, resolve_plugin
+    from fedaval.scenarios import SCENARIOS, get_scenario
 
-    get_scenario(config.scenario)
     installed = installed_plugins()
     for spec in config.plugins:
         if ":" not in spec and spec not in installed:
             resolve_plugin(spec)  # raises the standard 'unknown plugin' error, importing nothing
+    own = all(
+        spec.partition(":")[0] in SPEC_FACTORIES or (spec in installed and installed[spec].value.startswith("fedaval."))
+        for spec in config.plugins
+    )
+    if own or config.scenario in SCENARIOS:
+        get_scenario(config.scenario)
 
 
 def default_out_dir(config: RunConfig) -> Path:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedaval import core, offload
+from fedaval import core, offload, registries
 from fedaval.client import Client
 from fedaval.config import RunConfig
 from fedaval.datasets import load_dataset
@@ -25,7 +25,6 @@ from fedaval.errors import FedavalUsageError
 from fedaval.options import build_options
 from fedaval.plugin_manager import get_plugin_manager, load_plugins
 from fedaval.run import Run
-from fedaval.scenarios import get_scenario
 from fedaval.scenarios.partition import Partition
 from fedaval.server import Server
 from fedaval.training import black, resolve_augment
@@ -43,11 +42,14 @@ def build_run(config: RunConfig, extra_plugins: list[Any] = (), out_dir: Path | 
     run.pm = get_plugin_manager()
     run.hook = run.pm.hook
 
-    spec = get_scenario(config.scenario)
     raw = {name: dict(values) for name, values in config.plugin_options.items()}
-    scenario_values = {**raw.pop(spec.name, {}), **config.scenario_options}
-    run.scenario_options = build_options(spec.Options, scenario_values, owner=spec.name)
+    scenario_values = {**raw.pop(config.scenario, {}), **config.scenario_options}
     run.plugins = load_plugins(run.pm, config.plugins, raw, extra=[core.CorePlugin(), *extra_plugins])
+    run.scenarios = registries.collect(run.pm, "scenarios")
+    run.datasets = registries.collect(run.pm, "datasets")
+    run.models = registries.collect(run.pm, "models")
+    spec = registries.lookup(run.scenarios, "scenario", config.scenario)
+    run.scenario_options = build_options(spec.Options, scenario_values, owner=spec.name)
     unused = sorted(set(raw) - set(run.plugins.objects))
     if unused:
         raise FedavalUsageError(
@@ -56,7 +58,7 @@ def build_run(config: RunConfig, extra_plugins: list[Any] = (), out_dir: Path | 
         )
 
     seed_everything(config.seed)
-    run.data = load_dataset(config.dataset, config.data_root, config.download)
+    run.data = load_dataset(config.dataset, config.data_root, config.download, run.datasets)
     run.num_classes = run.data.num_classes
     run.augment = config.augment = resolve_augment(config.augment, run.data)
     run.black = black(run.data)

@@ -10,18 +10,40 @@ from fedaval import hookimpl
 
 
 class CorePlugin:
-    """Default model (``--model``), federation model (``"global"``), local
+    """The built-in scenarios, datasets and models (:mod:`fedaval.registries`),
+    default model (``--model``), federation model (``"global"``), local
     training (one Avalanche ``train()`` call per round) with the
     cross-entropy as its base loss, and a client's evaluation (Avalanche's
     metrics on its seen classes)."""
 
     name = "core"
 
+    @hookimpl
+    def fedaval_register_scenarios(self, register):
+        from fedaval.scenarios import SCENARIOS
+
+        for name, spec in SCENARIOS.items():
+            register(name, spec)
+
+    @hookimpl
+    def fedaval_register_datasets(self, register):
+        from fedaval.datasets import DATASETS
+
+        for name, loader in DATASETS.items():
+            register(name, loader)
+
+    @hookimpl
+    def fedaval_register_models(self, register):
+        from fedaval.models import MODELS
+
+        for name, factory in MODELS.items():
+            register(name, factory)
+
     @hookimpl(trylast=True)
     def fedaval_make_model(self, run, client_id):
         from fedaval.models import build_model
 
-        return build_model(run.config.model, run.data.input_shape, run.num_classes)
+        return build_model(run.config.model, run.data.input_shape, run.num_classes, run.models)
 
     @hookimpl(trylast=True)
     def fedaval_federation_model(self, run):

@@ -301,11 +301,16 @@ DATASETS: dict[str, Callable[[Path | None, bool], ImageData]] = {
 }
 
 
-def load_dataset(name: str, root: str | Path | None = None, download: bool = False) -> ImageData:
-    """Load dataset ``name``; a missing or unreadable root is a one-line error."""
-    if name not in DATASETS:
-        raise choice_error("dataset", name, sorted(DATASETS))
+def load_dataset(
+    name: str, root: str | Path | None = None, download: bool = False, registry: dict | None = None
+) -> ImageData:
+    """Load dataset ``name`` of ``registry`` (a run's ``datasets``; default:
+    the built-in :data:`DATASETS`); a missing or unreadable root is a
+    one-line error."""
+    registry = DATASETS if registry is None else registry
+    if name not in registry:
+        raise choice_error("dataset", name, sorted(registry))
     path = Path(root).expanduser() if root else None
     if path is not None and not path.exists() and not download:
         raise FedavalUsageError(f"--data-root {str(path)!r} does not exist")
-    return DATASETS[name](path, download)
+    return registry[name](path, download)

@@ -33,7 +33,7 @@ changed by server hooks only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
@@ -86,6 +86,36 @@ def fedaval_shared_keys(run: Run, model: nn.Module) -> list[str] | None:
     every floating-point entry. Return ``[]`` for a method that averages no
     weights at all (prototypes only).
     """
+
+
+@hookspec
+def fedaval_register_scenarios(register: Callable[[str, Any], None]) -> None:
+    """Add scenarios: call ``register(name, spec)`` with a
+    :class:`fedaval.scenarios.ScenarioSpec` for each. Called once per run,
+    right after the plugins are loaded and before ``--scenario`` is looked up;
+    the core registers the built-ins this way. Every plugin is called; a name
+    registered twice is an error naming both plugins."""
+
+
+@hookspec
+def fedaval_register_datasets(register: Callable[[str, Any], None]) -> None:
+    """Add datasets: call ``register(name, loader)`` where
+    ``loader(root: Path | None, download: bool)`` returns a
+    :class:`fedaval.datasets.ImageData` (``root`` is ``--data-root``). Called
+    once per run, after the plugins are loaded and before ``--dataset`` is
+    looked up; the core registers the built-ins this way. Every plugin is
+    called; a name registered twice is an error naming both plugins."""
+
+
+@hookspec
+def fedaval_register_models(register: Callable[[str, Any], None]) -> None:
+    """Add models: call ``register(name, factory)`` where
+    ``factory(input_shape, num_classes)`` returns a
+    :class:`fedaval.models.SplitModel` (or a model
+    :func:`fedaval.models.split_model` can split). Called once per run, after
+    the plugins are loaded; ``--model`` names one. The core registers the
+    built-ins this way. Every plugin is called; a name registered twice is an
+    error naming both plugins."""
 
 
 @hookspec

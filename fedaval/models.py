@@ -114,10 +114,12 @@ def resnet18(input_shape, num_classes: int) -> SplitModel:
 MODELS: dict[str, Callable[..., SplitModel]] = {"mlp": mlp, "cnn": cnn, "resnet18": resnet18}
 
 
-def build_model(name: str, input_shape, num_classes: int) -> SplitModel:
-    """``name`` in :data:`MODELS`; ``auto`` is ``mlp`` for 8x8 inputs, else ``cnn``."""
+def build_model(name: str, input_shape, num_classes: int, registry: dict | None = None) -> SplitModel:
+    """Model ``name`` of ``registry`` (a run's ``models``; default: the
+    built-in :data:`MODELS`); ``auto`` is ``mlp`` for 8x8 inputs, else ``cnn``."""
+    registry = MODELS if registry is None else registry
     if name == "auto":
         name = "mlp" if input_shape[-1] <= 8 else "cnn"
-    if name not in MODELS:
-        raise choice_error("model", name, ["auto"] + sorted(MODELS))
-    return MODELS[name](input_shape, num_classes)
+    if name not in registry:
+        raise choice_error("model", name, ["auto"] + sorted(registry))
+    return registry[name](input_shape, num_classes)

@@ -58,6 +58,9 @@ class Run:
     * ``data`` (:class:`~fedaval.datasets.ImageData`), ``num_classes``,
       ``augment`` (``--augment`` resolved: ``standard`` or ``none``) and
       ``black`` (the normalised black pixel, augmentation's padding);
+    * ``scenarios``, ``datasets``, ``models``: what ``--scenario``,
+      ``--dataset`` and ``--model`` may name (the built-ins and what the
+      plugins registered, :mod:`fedaval.registries`);
     * ``scenario_options``, ``partition`` (each client's tasks, classes and
       sample indices), ``num_tasks``, ``schedule`` (the clients sampled in
       each round, index 0 is round 1);
@@ -85,6 +88,9 @@ class Run:
     num_classes: int
     augment: str
     black: torch.Tensor
+    scenarios: dict[str, Any]
+    datasets: dict[str, Any]
+    models: dict[str, Any]
     scenario_options: Any
     partition: Partition
     num_tasks: int

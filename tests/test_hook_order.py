@@ -26,6 +26,18 @@ class Recorder:
         return None if client is None else client.id
 
     @hookimpl
+    def fedaval_register_scenarios(self, register):
+        self._add("register_scenarios")
+
+    @hookimpl
+    def fedaval_register_datasets(self, register):
+        self._add("register_datasets")
+
+    @hookimpl
+    def fedaval_register_models(self, register):
+        self._add("register_models")
+
+    @hookimpl
     def fedaval_setup(self, run):
         self._add("setup")
 
@@ -160,6 +172,7 @@ def test_full_hook_order(tiny_config):
     recorder = Recorder()
     run_training(tiny_config(), extra_plugins=[recorder])
     expected = [
+        "register_scenarios", "register_datasets", "register_models",
         "setup",
         "make_model(None)", "shared_keys",
         "make_model(0)", "shared_keys", "avalanche_plugins(0)",
