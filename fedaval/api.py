@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fedaval.config import RunConfig
 from fedaval.errors import FedavalUsageError, RunFailure
@@ -11,7 +11,7 @@ from fedaval.errors import FedavalUsageError, RunFailure
 
 def run_training(
     settings: dict[str, Any] | RunConfig,
-    extra_plugins: list[Any] = (),
+    extra_plugins: Sequence[Any] = (),
     show_progress: bool = False,
     echo: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -26,6 +26,7 @@ def run_training(
     from fedaval.build import build_run
 
     config = check_settings(settings)
+    assert config.out is not None, "check_settings chooses the run folder"
     out_dir = Path(config.out)
     run = build_run(config, extra_plugins=extra_plugins, out_dir=out_dir)
     try:
@@ -107,7 +108,7 @@ def check_out_dir(out_dir: Path) -> None:
 
 def resume_training(
     run_dir: str | Path,
-    extra_plugins: list[Any] = (),
+    extra_plugins: Sequence[Any] = (),
     show_progress: bool = False,
     echo: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:

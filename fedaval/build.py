@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from fedaval.server import Server
 from fedaval.training import black, resolve_augment
 
 
-def build_run(config: RunConfig, extra_plugins: list[Any] = (), out_dir: Path | None = None) -> Run:
+def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Path | None = None) -> Run:
     """The :class:`Run` that ``config`` describes, ready for its first round.
 
     ``extra_plugins`` are plugin objects registered after ``config.plugins``

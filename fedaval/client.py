@@ -63,6 +63,7 @@ class Client:
         self.bridge = HookBridge(run, self)
         method_plugins = [p for result in run.hook.fedaval_client_avalanche_plugins(run=run, client=self) for p in (result or [])]
         config = run.config
+        assert config.lr is not None and config.momentum is not None, "RunConfig.validate fills them"
         self.strategy = FederatedStrategy(
             run=run,
             client=self,
@@ -116,6 +117,7 @@ class Client:
         from fedaval import state
 
         where, self._offloaded = self._offloaded, None
+        assert where is not None, "materialise() is for an offloaded client"
         blob = where.read_bytes() if isinstance(where, Path) else where
         self.__dict__.update(state.loads(self.run, blob, extra={"client": self}))
 

@@ -82,6 +82,7 @@ class RunConfig:
         can use (NaN and infinite floats included: every comparison below is
         False for NaN)."""
         self.fill_defaults()
+        assert self.lr is not None and self.momentum is not None and self.local_epochs is not None
         finite = {name: math.isfinite(getattr(self, name)) for name in ("lr", "weight_decay", "client_gpus", "lr_min")}
         checks = [
             ("--seed", self.seed, 0 <= self.seed < 2**32, "in [0, 2**32 - 1]"),

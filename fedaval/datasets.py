@@ -189,8 +189,8 @@ def _decode(paths: list[str], size: tuple[int, int] | None) -> torch.Tensor:
     shown = tqdm(paths, desc="decoding images", unit="image", leave=False, disable=None if len(paths) >= 2000 else True)
     for i, path in enumerate(shown):
         try:
-            with Image.open(path) as img:
-                img = img.convert("RGB")
+            with Image.open(path) as source:
+                img = source.convert("RGB")
                 if size is None:
                     size = img.size
                 if img.size != size:

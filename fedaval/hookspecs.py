@@ -311,7 +311,7 @@ def fedaval_server_fuse(run: Run, uploads: list[Upload], round: int) -> dict[str
 
 
 @hookspec(firstresult=True)
-def fedaval_client_evaluate(run: Run, client: Client) -> dict[str, Any]:
+def fedaval_client_evaluate(run: Run, client: Client) -> dict[str, Any] | None:
     """Around the evaluation of ``client``'s model (Avalanche metrics on its
     seen classes). The core's implementation runs the evaluation; a
     ``wrapper=True`` implementation swaps in another model for its duration

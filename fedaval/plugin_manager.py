@@ -16,7 +16,7 @@ import inspect
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from types import ModuleType
-from typing import Any
+from typing import Any, Sequence
 
 import pluggy
 
@@ -106,7 +106,7 @@ def instantiate(name: str, obj: Any, option_values: dict[str, Any]) -> Any:
             if option_values:
                 raise FedavalUsageError(f"plugin {name!r} takes no options; got {', '.join(option_values)}")
             return obj()
-        return obj(build_options(options_cls, option_values, owner=name))
+        return obj(build_options(options_cls, option_values, owner=name))  # type: ignore[call-arg]
     return obj  # an already-built plugin object
 
 
@@ -122,7 +122,7 @@ def load_plugins(
     pm: pluggy.PluginManager,
     specs: list[str],
     option_values: dict[str, dict[str, Any]],
-    extra: list[Any] = (),
+    extra: Sequence[Any] = (),
 ) -> LoadedPlugins:
     """Register the default plugins, then ``specs`` in order, then ``extra``
     (already-built objects, used by tests and the core).

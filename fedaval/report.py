@@ -80,9 +80,10 @@ def _per_round(name: str) -> Callable[[dict[str, Any]], float | None]:
     def read(results: dict[str, Any]) -> float | None:
         rounds = results.get("rounds") or []
         values = [_number(r.get(name)) for r in rounds]
-        if not rounds or any(v is None for v in values):
+        numbers = [v for v in values if v is not None]
+        if not rounds or len(numbers) < len(values):
             return None
-        return sum(values) / len(rounds)
+        return sum(numbers) / len(rounds)
 
     return read
 

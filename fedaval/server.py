@@ -36,7 +36,7 @@ class Server:
             run=run,
             client=None,
             model=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=run.config.lr),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),  # never steps: the server model is fused, not trained
             eval_mb_size=256,
             device=run.device,
             plugins=[self.predictions],

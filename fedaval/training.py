@@ -60,13 +60,15 @@ def resolve_augment(choice: str, data: ImageData) -> str:
 
 def round_lr(config: RunConfig, round: int, total_rounds: int) -> float:
     """The learning rate of global round ``round`` (1-based) of ``total_rounds``."""
+    lr = config.lr
+    assert lr is not None, "RunConfig.validate fills --lr"
     if config.lr_schedule == "constant" or total_rounds <= 1:
-        return config.lr
+        return lr
     progress = (round - 1) / (total_rounds - 1)
     if config.lr_schedule == "cosine":
-        return config.lr_min + (config.lr - config.lr_min) * (1 + math.cos(math.pi * progress)) / 2
+        return config.lr_min + (lr - config.lr_min) * (1 + math.cos(math.pi * progress)) / 2
     if config.lr_schedule == "exp":
-        return config.lr * (config.lr_min / config.lr) ** progress
+        return lr * (config.lr_min / lr) ** progress
     raise AssertionError(config.lr_schedule)  # RunConfig.validate allows only the names above
 
 

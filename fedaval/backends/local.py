@@ -63,6 +63,7 @@ def client_round(
     seconds = 0.0
     with client.rng_scope():
         try:
+            assert run.now is not None, "a client round runs inside a round (run.enter_round)"
             client.task = run.now.task
             client.receive({**download, **extra} if extra else download)
             start = time.perf_counter()

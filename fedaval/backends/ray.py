@@ -233,7 +233,7 @@ class RayBackend:
         self.settings = config.to_dict()
         self.extra_plugins = extra_plugin_objects(run)
         self.device = "cuda" if config.client_gpus > 0 else "cpu"
-        self.traffic: list[dict[str, int]] = []
+        self.traffic: list[dict[str, float]] = []
         self._token = next(_TOKENS)
         self._slots = self._acquire()  # replicas build while the driver builds its run
         log.info(
@@ -317,7 +317,7 @@ class RayBackend:
         broadcast = transfer.dumps(run, download)
         broadcast_ref = ray.put(broadcast)
         download_key = (self._token, round)
-        traffic = {"round": round, "clients": len(client_ids), "broadcast": len(broadcast), "to_workers": 0,
+        traffic: dict[str, float] = {"round": round, "clients": len(client_ids), "broadcast": len(broadcast), "to_workers": 0,
                    "from_workers": 0, "driver_seconds": time.perf_counter() - start}
         queue = list(client_ids)
         running: dict[Any, tuple[_Slot, int]] = {}

@@ -109,7 +109,7 @@ class Worker:
         import torch
 
         torch.set_num_threads(max(1, threads))
-        self.run = None
+        self.run: Any = None  # the replica (a fedaval.run.Run) once reset() built it
         self.stand_ins: dict[str, RecordingLogger] = {}
         self._download: tuple[Any, Any] = (None, None)
 
@@ -129,7 +129,7 @@ class Worker:
         if hasattr(config, "offload_clients"):
             config.offload_clients = "none"  # its own clients are dropped below
         run = build_run(config, extra_plugins=extra_plugins, out_dir=None)
-        run.clients = [VacantClient(c.id) for c in run.clients]
+        run.clients = [VacantClient(c.id) for c in run.clients]  # type: ignore[misc]
         self.run = run
         self.stand_ins = {}
         self._download = (None, None)

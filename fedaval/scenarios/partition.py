@@ -140,11 +140,15 @@ def _max_flow(extra_of_client: list[int], drawn: list[set[int]], room: np.ndarra
     source, sink = 0, n + c + 1
     rows, cols, caps = [], [], []
     for k in range(n):
-        rows.append(source), cols.append(1 + k), caps.append(extra_of_client[k])
-        for cls in drawn[k]:
-            rows.append(1 + k), cols.append(1 + n + cls), caps.append(int(room[cls]))
+        edges = [(source, 1 + k, extra_of_client[k])] + [(1 + k, 1 + n + cls, int(room[cls])) for cls in drawn[k]]
+        for row, col, cap in edges:
+            rows.append(row)
+            cols.append(col)
+            caps.append(cap)
     for cls in range(c):
-        rows.append(1 + n + cls), cols.append(sink), caps.append(int(room[cls]))
+        rows.append(1 + n + cls)
+        cols.append(sink)
+        caps.append(int(room[cls]))
     graph = csr_matrix((np.array(caps, dtype=np.int32), (rows, cols)), shape=(n + c + 2, n + c + 2))
     result = maximum_flow(graph, source, sink)
     flow = result.flow.toarray()[1 : n + 1, n + 1 : n + c + 1]
@@ -183,12 +187,12 @@ def equal_totals(slots_of_client: list[int], drawn: list[set[int]], slots_of_cla
     quota = lo
     low, high = 0.0, 1.0
     for _ in range(30):  # smallest largest fraction of a class that still fills
-        mid = (low + high) / 2
-        room = np.minimum(room_full, np.maximum(np.ceil(mid * available).astype(np.int64) - base, 0))
+        frac = (low + high) / 2
+        room = np.minimum(room_full, np.maximum(np.ceil(frac * available).astype(np.int64) - base, 0))
         if fill(quota, room)[0]:
-            high = mid
+            high = frac
         else:
-            low = mid
+            low = frac
     room = np.minimum(room_full, np.maximum(np.ceil(high * available).astype(np.int64) - base, 0))
     ok, flow = fill(quota, room)
     assert ok
@@ -260,20 +264,20 @@ def sthfl(
             f"imbalance factor {imbalance} leaves class {c} with {available[c]} samples for {slots_of_class[c]} "
             f"client stages; lower the imbalance or the number of clients",
         )
-    drawn = [sorted({c for stage in draws[k] for c in stage}) for k in range(num_clients)]
+    held = [sorted({c for stage in draws[k] for c in stage}) for k in range(num_clients)]
     quota, extra = equal_totals(
-        [num_tasks * classes_per_task] * num_clients, [set(d) for d in drawn], slots_of_class, available
+        [num_tasks * classes_per_task] * num_clients, [set(d) for d in held], slots_of_class, available
     )
     taken = np.zeros(num_classes, dtype=np.int64)  # samples of each class handed out so far
     clients = []
     for k in range(num_clients):
         per_task: list[list[np.ndarray]] = [[] for _ in range(num_tasks)]
-        for c in drawn[k]:
-            stages = [t for t in range(num_tasks) if c in draws[k][t]]
-            sizes = 1 + np.array([len(chunk) for chunk in np.array_split(np.arange(extra[k, c]), len(stages))])
-            for t, size in zip(stages, sizes):
-                per_task[t].append(kept[c][taken[c] : taken[c] + size])
-                taken[c] += size
+        for c in held[k]:
+            holding = [t for t in range(num_tasks) if c in draws[k][t]]
+            counts = 1 + np.array([len(chunk) for chunk in np.array_split(np.arange(extra[k, c]), len(holding))])
+            for t, count in zip(holding, counts):
+                per_task[t].append(kept[c][taken[c] : taken[c] + count])
+                taken[c] += count
         clients.append(
             ClientTasks(
                 indices=[np.concatenate(parts).astype(np.int64) for parts in per_task],
