@@ -2,6 +2,7 @@
 
     python benchmarks/client_memory.py            # 10, 50, 100 clients; shared CIFAR-10 subset, ResNet-18
     python benchmarks/client_memory.py --write    # also benchmarks/results/client_memory.md
+    python benchmarks/client_memory.py --plugins pfcl --offload cpu --write   # PFCL: teachers and memories too
 
 Each configuration runs in a fresh process (`fedaval.api.run_training`, as
 `fedaval train` does) and reports its peak resident memory (``ru_maxrss``).
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--train-per-class", type=int, default=300)
     parser.add_argument("--test-per-class", type=int, default=20)
     parser.add_argument("--offload", default="cpu,none")
+    parser.add_argument("--plugins", default="fedavg", help="methods, comma-separated (their per-client state counts too)")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args(argv)
     root = cifar_subset(args.train_per_class, args.test_per_class) if args.dataset == "imagefolder" else None
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
     for where in args.offload.split(","):
         peaks = {}
         for n in counts:
-            settings = dict(dataset=args.dataset, data_root=root and str(root), model=args.model, scenario="fcil-sync",
+            settings = dict(plugins=args.plugins.split(","), dataset=args.dataset, data_root=root and str(root), model=args.model, scenario="fcil-sync",
                             scenario_options={"clients": n, "tasks": 2}, rounds_per_task=2,
                             clients_per_round=args.per_round, offload_clients=where, device="cpu", seed=0,
                             checkpoint_every=0, lr=0.01, momentum=0.0)
@@ -101,12 +103,13 @@ def main(argv=None) -> int:
     command = "python benchmarks/client_memory.py" + (" " + " ".join(argv or sys.argv[1:]) if (argv or sys.argv[1:]) else "")
     table = "\n".join(["| offload | clients | peak RSS MiB | one client's stored state MiB |", "|---|---|---|---|", *rows])
     if args.write:
-        (HERE / "results" / "client_memory.md").write_text(
+        name = "client_memory.md" if args.plugins == "fedavg" else f"client_memory_{args.plugins.replace(',', '+')}.md"
+        (HERE / "results" / name).write_text(
             f"# Peak memory against the number of clients\n\nCommand: `{command}`\n"
             f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
             f"{os.cpu_count()} cores, CPU only, one process per row.\n"
             f"Setting: shared CIFAR-10 subset ({args.train_per_class} train / {args.test_per_class} test images per class), "
-            f"model {args.model}, fcil-sync with N clients x 2 tasks, 2 rounds per task, {args.per_round} clients sampled per round, "
+            f"plugins {args.plugins}, model {args.model}, fcil-sync with N clients x 2 tasks, 2 rounds per task, {args.per_round} clients sampled per round, "
             f"no checkpoints.\n\n"
             f"{table}\n\n" + "\n".join(summaries) + "\n")
     return 0

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow  # whole trainings
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

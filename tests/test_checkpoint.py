@@ -16,6 +16,8 @@ from click.testing import CliRunner
 from fedaval.cli import cli
 from helpers import one_line_error, strip_timing
 
+pytestmark = pytest.mark.slow  # whole trainings
+
 FEDAVAL = [sys.executable, "-c", "from fedaval.cli import main; main()"]
 
 

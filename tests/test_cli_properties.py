@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 from fedaval.cli import cli
 
+pytestmark = pytest.mark.slow  # whole trainings
+
 INTS = st.integers(min_value=-3, max_value=2**33)
 SMALL_INTS = st.integers(min_value=-2, max_value=8)
 FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=32) | st.sampled_from([0.0, 0.01, 0.5, 1.0])

@@ -16,6 +16,8 @@ from fedaval.plugins.fedavg import weighted_average
 from fedaval.plugins.hgp import client_features
 from fedaval.build import build_run
 
+pytestmark = pytest.mark.slow  # whole trainings
+
 TINY = {"vit_patch": 4, "vit_dim": 32, "vit_depth": 2, "vit_heads": 2, "vit_mlp_dim": 64, "prompt_length": 3}
 PROMPTS_AND_HEAD = ["features.prompt_k", "features.prompt_v", "classifier.weight", "classifier.bias"]
 

@@ -16,6 +16,8 @@ from fedaval.cli import cli
 from fedaval.errors import RunFailure
 from helpers import Raises, one_line_error, strip_timing
 
+pytestmark = pytest.mark.slow  # whole trainings
+
 ray = pytest.importorskip("ray")  # in the test extra; CI installs it
 
 FAST = ["-o", "fcil-sync.clients=2", "-o", "fcil-sync.tasks=2", "--rounds-per-task", "1", "--device", "cpu", "--quiet"]

@@ -160,6 +160,7 @@ def test_defaults_depend_on_the_dataset_and_given_values_win():
     assert (mine.lr, mine.momentum, mine.local_epochs) == (0.02, 0.0, 1)
 
 
+@pytest.mark.slow
 def test_the_default_digits_run_learns_every_task(tmp_path):
     """The README's default job, FedAvg on fcil-sync digits: each task is
     learnt when it is taught (the accuracy matrix's diagonal), where lr 0.01 x
