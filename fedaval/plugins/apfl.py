@@ -113,7 +113,9 @@ class APFL(Plugin):
         import torch.nn.functional as F
 
         params, buffers = self._personal(client)
-        lr = client.strategy.optimizer.param_groups[0]["lr"]  # the round's (--lr-schedule)
+        from fedaval.training import round_lr
+
+        lr = round_lr(run.config, run.round, run.total_rounds)  # the round's (--lr-schedule)
         loss, client.stash[ALPHA] = personal_step(
             client.model, params, buffers, client.stash[ALPHA], batch.x, batch.y, F.cross_entropy,
             lr=lr, alpha_lr=self.options.alpha_lr or lr, adaptive=self.options.adaptive,
