@@ -39,6 +39,7 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
     config.validate()
     run = Run(config, out_dir)
     run.device = resolve_device(config.device)
+    use_deterministic_algorithms(config.deterministic)
     run.pm = get_plugin_manager()
     run.hook = run.pm.hook
 
@@ -100,6 +101,21 @@ def resolve_device(name: str) -> torch.device:
             )
         return torch.device(name)
     raise FedavalUsageError(f"bad value --device {name!r}; allowed: auto, cpu, cuda, cuda:<index>")
+
+
+def use_deterministic_algorithms(on: bool) -> None:
+    """``--deterministic``: only deterministic kernels (an error names any
+    operation that has none), cuDNN's deterministic convolutions without
+    benchmarking, and the cuBLAS workspace setting CUDA needs for them. Off:
+    torch's defaults (a GPU run may then differ in the last bits from one
+    run to the next)."""
+    import os
+
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = False
 
 
 def seed_everything(seed: int) -> None:

@@ -168,3 +168,16 @@ def test_the_default_digits_run_learns_every_task(tmp_path):
     results = run_training(RunConfig(device="cpu", out=str(tmp_path / "run"), checkpoint_every=0))
     matrix = results["final"]["accuracy_matrix"]
     assert all(matrix[t][t] >= 0.85 for t in range(len(matrix))), matrix
+
+
+def test_deterministic_switches_torch_to_deterministic_algorithms(tiny_config, tmp_path):
+    from fedaval.build import build_run
+
+    try:
+        build_run(tiny_config(deterministic=True, out=str(tmp_path / "a")))
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        build_run(tiny_config(out=str(tmp_path / "b")))
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False

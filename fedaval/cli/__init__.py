@@ -115,6 +115,9 @@ def cli() -> None:
 @click.option("--link-mbps", default=100.0, show_default=True, type=float,
               help="Link speed in Mbit/s for the communication seconds of the efficiency E (bytes x 8 / speed).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:<index>.")
+@click.option("--deterministic", is_flag=True,
+              help="Deterministic algorithms only (torch.use_deterministic_algorithms; on CUDA also cuDNN's "
+                   "deterministic kernels and CUBLAS_WORKSPACE_CONFIG): the same results.json twice on a GPU, slower.")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seed of the partition, client sampling, initialisation and data order, in [0, 2**32 - 1].")
 @click.option("--seeds", default=None, metavar="S1,S2,...",
