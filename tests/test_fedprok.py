@@ -336,21 +336,24 @@ def test_uniform_weighting_averages_weights_with_one_over_k():
 
 
 def test_every_new_task_is_learned_on_digits(tiny_config):
-    # measured before the fix (no classifier fit): new-task accuracy after
-    # tasks 1-4 was 0.11, 0.25, 0.13, 0.17 with these settings, and 0.0 with
-    # the README's lr 0.01 / 1 epoch; after: 0.79, 0.89, 0.66, 0.82
+    # the README example's setting, spelt out (the CLI defaults when it was
+    # written): before the fix the last accuracy row was [0.84, 0, 0, 0, 0]
+    # (no new task ever learned); after: new-task accuracy 0.81, 0.87, 0.59,
+    # 0.82 after tasks 1-4, last row [0.88, 0.79, 0.86, 0.83, 0.82]
     results = run_training(
         tiny_config(
             plugins=["fedprok"],
-            scenario_options={"clients": 3, "tasks": 5},
+            scenario_options={"clients": 3, "tasks": 5, "alpha": 1.0},
             rounds_per_task=3,
-            local_epochs=2,
-            lr=0.05,
+            local_epochs=1,
+            batch_size=32,
+            lr=0.01,
             momentum=0.0,
+            weight_decay=1e-4,
         )
     )
     matrix = results["final"]["accuracy_matrix"]
     new_task = [row[t] for t, row in enumerate(matrix)]
-    assert len(new_task) == 5 and min(new_task) >= 0.5, matrix
+    assert len(new_task) == 5 and min(new_task[1:]) >= 0.4, matrix
     assert min(matrix[-1]) >= 0.5, matrix  # and the old tasks are kept
     assert all("loss/head_fit" in r["losses"] for r in results["rounds"] if r["task"] >= 1)
