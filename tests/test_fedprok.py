@@ -281,7 +281,7 @@ def test_without_fusion_each_client_remeasures_its_own_task0_prototypes(tiny_con
 
 
 def test_previous_classes_are_the_clients_own_earlier_task_classes(tiny_config, monkeypatch):
-    import fedaval.plugins.fedprok as fedprok
+    from fedaval.plugins import fedprok
 
     seen = []  # (client's own earlier classes less current, classes translated)
     original = fedprok.translate_features

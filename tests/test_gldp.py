@@ -3,7 +3,6 @@ split in real digits runs (what is uploaded, what each epoch trains)."""
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -13,16 +12,21 @@ from fedaval import hookimpl
 from fedaval.api import run_training
 from fedaval.errors import FedavalUsageError
 from fedaval.payload import Upload
-from fedaval.stash import Stash
 from fedaval.plugins.gldp import (
-    LOCAL,
     GLDP,
+    LOCAL,
     class_frequency_weights,
     global_relation_loss,
     local_relation_loss,
 )
 from fedaval.plugins.personal import part_of_epoch, personal_shared_keys, resolve_phases
-from fedaval.prototypes import class_means, ema_update, mean_over_holders, nearest_prototype_scores
+from fedaval.prototypes import (
+    class_means,
+    ema_update,
+    mean_over_holders,
+    nearest_prototype_scores,
+)
+from fedaval.stash import Stash
 
 
 def t(*values):

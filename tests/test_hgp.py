@@ -140,7 +140,11 @@ def test_bad_options_are_one_line_errors(tiny_config, options, message):
 
 
 def test_pretrained_efficientnet_backbone_on_cifar10(tiny_config, cifar10_root):
-    from fedaval.plugins.hgp_backbones import HALF, InputAdapter, efficientnet_lite0_weights
+    from fedaval.plugins.hgp_backbones import (
+        HALF,
+        InputAdapter,
+        efficientnet_lite0_weights,
+    )
 
     # the adapter undoes the dataset normalisation and scales to [-1, 1]
     adapter = InputAdapter((0.5, 0.4, 0.3), (0.2, 0.2, 0.25), HALF, HALF, 4)

@@ -66,8 +66,7 @@ class FedRep(PersonalHead, Plugin):
     def fedaval_server_fuse(self, run, uploads, round):
         """The global model's head for evaluation (see the module docstring)."""
         if self.options.global_head != "mean":
-            return None
+            return
         heads = [run.clients[u.client_id].model.classifier.state_dict() for u in uploads]
         if heads:
             run.server.model.classifier.load_state_dict(uniform_average(heads))
-        return None

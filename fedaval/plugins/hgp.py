@@ -244,9 +244,8 @@ class HGP(Plugin):
             for c, payload in (upload.get("hgp_gaussians") or {}).items():
                 self.memory.setdefault(int(c), {})[upload.client_id] = ClassGaussian.from_payload(payload)
         if self.options.stats_exchange and run.now.task_ends:
-            return None  # re-balanced after the exchange, in fedaval_server_task_end
+            return  # re-balanced after the exchange, in fedaval_server_task_end
         self.rebalance(run)
-        return None
 
     @hookimpl
     def fedaval_server_task_end(self, run, task):
@@ -275,7 +274,10 @@ class HGP(Plugin):
 
     def rebalance(self, run) -> None:
         """Classifier re-balancing on a class-balanced sample of the mixtures."""
-        from fedaval.plugins.hgp_gaussian import balanced_synthetic_set, retrain_classifier
+        from fedaval.plugins.hgp_gaussian import (
+            balanced_synthetic_set,
+            retrain_classifier,
+        )
 
         if not self.options.rebalance or not self.memory:
             return
