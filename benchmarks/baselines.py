@@ -1,7 +1,7 @@
 """The federated baselines side by side on digits, scaled down.
 
 FedAvg, FedProx, FedNova, APFL and the Avalanche hybrids (FedEWC, FedLwF,
-FedReplay) on the same partitions and seeds, in FedProK's synchronous and
+FedReplay: random experience replay, not FediCaRL) on the same partitions and seeds, in FedProK's synchronous and
 asynchronous FCIL settings: 3 clients, 5 tasks of 2 digit classes (sync,
 Dirichlet alpha 0.5) or 3 tasks per client (async, consensus 0.5), 3 rounds
 per task, 2 local epochs, the default MLP, 2 CPU cores. FedNova's step
@@ -38,7 +38,7 @@ METHODS = {
     "APFL": (["apfl"], {}),
     "FedEWC": (["fedewc"], {"fedewc": {"ewc_lambda": 10.0}}),
     "FedLwF": (["fedlwf"], {}),
-    "FedReplay mem=500": (["fedreplay"], {"fedreplay": {"mem_size": 500}}),
+    "FedReplay (random replay) mem=500": (["fedreplay"], {"fedreplay": {"mem_size": 500}}),
 }
 SCENARIOS = {
     "fcil-sync": {"clients": 3, "tasks": 5, "alpha": 0.5},

@@ -19,6 +19,11 @@ The file format (TOML, read with :mod:`tomllib`)::
     clients = 20
     imbalance = 50
 
+    # optional: the paper's numbers for this setting (configs/repro-*.toml,
+    # docs/reproduction.md); not a run option, ignored by `fedaval train`
+    [paper]
+    source = "GLDP, Table 2"
+
 Values given on the command line win over the file: a whole option for
 plain options (``--lr``), one key at a time for ``-o`` (``-o gldp.lam=0.3``
 replaces ``lam`` and keeps the file's other ``gldp`` keys). An unknown key is
@@ -71,6 +76,8 @@ def read_config_file(path: str | Path, allowed: Iterable[str]) -> tuple[dict[str
         if key == "options":
             options = _read_options(path, value)
             continue
+        if key == "paper":  # the paper's numbers: read by read_paper_table, not a run option
+            continue
         if key not in allowed:
             names = ", ".join(sorted(_flag(a) for a in allowed | {"options"}))
             raise FedavalUsageError(f"unknown key {raw_key!r} in {str(path)!r}; allowed: {names}")
@@ -88,6 +95,14 @@ def read_config_file(path: str | Path, allowed: Iterable[str]) -> tuple[dict[str
     if "seed" in values and "seeds" in values:
         raise FedavalUsageError(f"{str(path)!r} sets both 'seed' and 'seeds'; keep one")
     return values, options
+
+
+def read_paper_table(path: str | Path) -> dict[str, Any]:
+    """The ``[paper]`` table of a config file (``{}`` when it has none): the
+    paper's source, metric, numbers per row (``[paper.<metric>]``) and the
+    arguments that turn the file's run into each row (``[paper.runs]``)."""
+    with open(path, "rb") as fh:
+        return dict(tomllib.load(fh).get("paper") or {})
 
 
 def _read_options(path: Path, value: Any) -> dict[str, dict[str, Any]]:

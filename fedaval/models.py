@@ -97,21 +97,33 @@ class _BasicBlock(nn.Module):
         return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
 
 
-def resnet18(input_shape, num_classes: int) -> SplitModel:
-    """ResNet-18 with the CIFAR stem (3x3 conv, stride 1, no max-pool), as the
-    papers use; 512-d features."""
+def cifar_resnet(input_shape, num_classes: int, blocks: tuple[int, int, int, int]) -> SplitModel:
+    """A ResNet of basic blocks with the CIFAR stem (3x3 conv, stride 1, no
+    max-pool), as the papers use; ``blocks`` per stage of 64, 128, 256, 512
+    channels; 512-d features."""
     layers: list[nn.Module] = [
         nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()
     ]
     cin = 64
-    for cout, stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
-        layers += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
+    for (cout, stride), n in zip([(64, 1), (128, 2), (256, 2), (512, 2)], blocks):
+        layers += [_BasicBlock(cin, cout, stride)] + [_BasicBlock(cout, cout, 1) for _ in range(n - 1)]
         cin = cout
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
     return SplitModel(nn.Sequential(*layers), nn.Linear(512, num_classes), 512)
 
 
-MODELS: dict[str, Callable[..., SplitModel]] = {"mlp": mlp, "cnn": cnn, "resnet18": resnet18}
+def resnet18(input_shape, num_classes: int) -> SplitModel:
+    """ResNet-18 (2, 2, 2, 2 blocks) with the CIFAR stem: GLDP's and FedProK's backbone."""
+    return cifar_resnet(input_shape, num_classes, (2, 2, 2, 2))
+
+
+def resnet34(input_shape, num_classes: int) -> SplitModel:
+    """ResNet-34 (3, 4, 6, 3 blocks) with the CIFAR stem: PFCL's backbone
+    (the paper counts 21M weights)."""
+    return cifar_resnet(input_shape, num_classes, (3, 4, 6, 3))
+
+
+MODELS: dict[str, Callable[..., SplitModel]] = {"mlp": mlp, "cnn": cnn, "resnet18": resnet18, "resnet34": resnet34}
 
 
 def build_model(name: str, input_shape, num_classes: int, registry: dict | None = None) -> SplitModel:

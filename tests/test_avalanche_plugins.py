@@ -189,3 +189,9 @@ def test_baselines_run_in_every_scenario(tiny_config, scenario):
         assert sorted(ewc.importances) == list(range(trained))
         assert lwf.lwf.expcount == trained
         assert (len(replay.storage_policy.buffer) > 0) == (trained > 0)
+
+
+def test_fedreplay_says_it_is_random_replay_not_fedicarl():
+    from fedaval.plugins.avalanche_bridge import FedReplay
+
+    assert "random experience replay" in FedReplay.description and "not FediCaRL" in FedReplay.description

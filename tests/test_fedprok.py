@@ -18,6 +18,7 @@ from fedaval.payload import Upload
 from fedaval.plugins.fedprok import (
     COUNTS_KEY,
     DOWNLOAD_KEY,
+    LIBRARY,
     UPLOAD_KEY,
     FedProK,
     FedProKOptions,
@@ -140,7 +141,11 @@ class Probe:
 
             library = client.stash[LIBRARY]
             sent = self.downloads[-1][2]
-            self.library_matches.append(all(torch.equal(library[c].cpu(), v) for c, v in sent.items()))
+            # at a task's first round the client's previous-task classes are re-measured (reading 2)
+            remeasured = set(client.tasks.classes[client.task - 1]) if run.now.task_begins and client.task else set()
+            self.library_matches.append(
+                all(torch.equal(library[c].cpu(), v) for c, v in sent.items() if c not in remeasured)
+            )
 
     @hookimpl
     def fedaval_server_fuse(self, run, uploads, round):
@@ -202,3 +207,153 @@ def test_async_scenario_runs_with_fusion(tiny_config):
     assert final["rounds"] == 4
     assert any("loss/pseudo_ce" in r["losses"] for r in results["rounds"] if r["task"] == 1)
     assert results["rounds"][-1]["utility"] is not None
+
+
+# --- reading 2: every stored prototype in the frozen extractor's space ----------
+
+
+class FrozenSpace:
+    """At the end of the run, stored prototypes against the class means the
+    frozen extractor (the global model's) gives the training samples:
+    ``global_gap[c]`` for the server's list (means over every client's
+    samples), ``client_gap[k][c]`` for the earlier-task classes in client k's
+    list (means over the federation's samples with fusion, over its own
+    samples without), each ``|stored - recomputed| / |recomputed|``."""
+
+    name = "frozen_space"
+
+    def __init__(self, fusion=True):
+        self.fusion = fusion
+        self.global_gap = {}
+        self.client_gap = {}
+
+    @staticmethod
+    def means(run, parts):
+        import numpy as np
+
+        from fedaval.prototypes import class_means, extract_features
+        from fedaval.streams import make_train_stream
+
+        dataset = make_train_stream(run.data, [np.concatenate(parts)])[0].dataset
+        return class_means(*extract_features(run.server.model, dataset, run.device))[0]
+
+    @hookimpl
+    def fedaval_teardown(self, run):
+        def gaps(stored, means):
+            return {c: float((stored[c].cpu() - m).norm() / m.norm()) for c, m in means.items() if c in stored}
+
+        federation = self.means(run, [i for c in run.partition.clients for i in c.indices])
+        if self.fusion:
+            self.global_gap = gaps(run.plugins.objects["fedprok"].global_prototypes, federation)
+        for client in run.clients:
+            means = federation if self.fusion else self.means(run, client.tasks.indices)
+            earlier = {c for t in range(client.task) for c in client.tasks.classes[t]}
+            library = {c: p for c, p in (client.stash.get(LIBRARY) or {}).items() if c in earlier}
+            self.client_gap[client.id] = gaps(library, means)
+
+
+def test_stored_prototypes_agree_with_the_frozen_extractor(tiny_config):
+    # measured before the fix (prototypes of epoch 0 uploaded): task-0 classes
+    # 0.34 to 0.38 of their length away from the frozen extractor's class means
+    probe = FrozenSpace()
+    results = run_training(
+        tiny_config(plugins=["fedprok"], lr=0.05, local_epochs=2, scenario_options={"clients": 2, "tasks": 3}),
+        extra_plugins=[probe],
+    )
+    assert len(results["tasks"]) == 3
+    assert len(probe.global_gap) == 10
+    assert max(probe.global_gap.values()) < 1e-4, probe.global_gap
+    for gaps in probe.client_gap.values():
+        assert len(gaps) == 7 and max(gaps.values()) < 1e-4, gaps  # tasks 0 and 1: 4 + 3 classes
+
+
+def test_without_fusion_each_client_remeasures_its_own_task0_prototypes(tiny_config):
+    probe = FrozenSpace(fusion=False)
+    run_training(
+        tiny_config(plugins=["fedprok"], lr=0.05, local_epochs=2, plugin_options={"fedprok": {"fusion": "false"}}),
+        extra_plugins=[probe],
+    )
+    for gaps in probe.client_gap.values():
+        assert gaps and max(gaps.values()) < 1e-4, gaps
+
+
+# --- reading 6: previous classes are the client's own earlier-task classes ------
+
+
+def test_previous_classes_are_the_clients_own_earlier_task_classes(tiny_config, monkeypatch):
+    from fedaval.plugins import fedprok
+
+    seen = []  # (client's own earlier classes less current, classes translated)
+    original = fedprok.translate_features
+
+    class Who:
+        name = "who"
+        client = None
+
+        @hookimpl(tryfirst=True)
+        def fedaval_client_loss(self, run, client, batch):
+            Who.client = client
+
+    def spy(features, labels, old_classes, *args):
+        c = Who.client
+        own = {k for t in range(c.task) for k in c.tasks.classes[t]} - set(c.tasks.classes[c.task])
+        seen.append((own, set(old_classes)))
+        return original(features, labels, old_classes, *args)
+
+    monkeypatch.setattr(fedprok, "translate_features", spy)
+    results = run_training(
+        tiny_config(
+            plugins=["fedprok"],
+            scenario="fcil-async",
+            scenario_options={"clients": 3, "tasks": 2, "consensus": 0.5},
+        ),
+        extra_plugins=[Who()],
+    )
+    fused = {c for t in results["scenario"]["federation_task_classes"] for c in t}
+    assert seen
+    assert all(old == own for own, old in seen), seen[:3]
+    # the fused list holds classes a client never had: they are not translated
+    assert any(own < fused for own, _ in seen)
+
+
+# --- Algorithm 1, line 13: uniform 1/K averaging as an option ----------------------
+
+
+def test_uniform_weighting_averages_weights_with_one_over_k():
+    plugin = FedProK(build_options(FedProKOptions, {"weighting": "uniform"}, owner="fedprok"))
+    uploads = [
+        Upload(0, 1, {"weights": {"w": T([0.0])}}),
+        Upload(1, 3, {"weights": {"w": T([4.0])}}),
+    ]
+    assert plugin.fedaval_server_fuse_weights(run=None, uploads=uploads, global_weights={})["w"].item() == 2.0
+    by_samples = FedProK()  # the default leaves FedAvg's sample-weighted mean (3.0) in place
+    assert by_samples.fedaval_server_fuse_weights(run=None, uploads=uploads, global_weights={}) is None
+    with pytest.raises(FedavalUsageError, match="fedprok.weighting"):
+        build_options(FedProKOptions, {"weighting": "equal"}, owner="fedprok")
+
+
+# --- reading 8: new classes are learned (the classifier fit on the balanced set) ----
+
+
+def test_every_new_task_is_learned_on_digits(tiny_config):
+    # the README example's setting, spelt out (the CLI defaults when it was
+    # written): before the fix the last accuracy row was [0.84, 0, 0, 0, 0]
+    # (no new task ever learned); after: new-task accuracy 0.81, 0.87, 0.59,
+    # 0.82 after tasks 1-4, last row [0.88, 0.79, 0.86, 0.83, 0.82]
+    results = run_training(
+        tiny_config(
+            plugins=["fedprok"],
+            scenario_options={"clients": 3, "tasks": 5, "alpha": 1.0},
+            rounds_per_task=3,
+            local_epochs=1,
+            batch_size=32,
+            lr=0.01,
+            momentum=0.0,
+            weight_decay=1e-4,
+        )
+    )
+    matrix = results["final"]["accuracy_matrix"]
+    new_task = [row[t] for t, row in enumerate(matrix)]
+    assert len(new_task) == 5 and min(new_task[1:]) >= 0.4, matrix
+    assert min(matrix[-1]) >= 0.5, matrix  # and the old tasks are kept
+    assert all("loss/head_fit" in r["losses"] for r in results["rounds"] if r["task"] >= 1)

@@ -3,7 +3,6 @@ split in real digits runs (what is uploaded, what each epoch trains)."""
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -13,16 +12,21 @@ from fedaval import hookimpl
 from fedaval.api import run_training
 from fedaval.errors import FedavalUsageError
 from fedaval.payload import Upload
-from fedaval.stash import Stash
 from fedaval.plugins.gldp import (
-    LOCAL,
     GLDP,
+    LOCAL,
     class_frequency_weights,
     global_relation_loss,
     local_relation_loss,
 )
 from fedaval.plugins.personal import part_of_epoch, personal_shared_keys, resolve_phases
-from fedaval.prototypes import class_means, ema_update, mean_over_holders, nearest_prototype_scores
+from fedaval.prototypes import (
+    class_means,
+    ema_update,
+    mean_over_holders,
+    nearest_prototype_scores,
+)
+from fedaval.stash import Stash
 
 
 def t(*values):
@@ -56,26 +60,22 @@ def test_mean_over_holders():
     assert torch.equal(out[0], t(2, 2)) and torch.equal(out[1], t(0, 2))
 
 
-def _server_round(plugin, round, task, uploads):
-    """One server round of stages of 2 rounds: fusion, then the stage's end at its last round."""
-    run = SimpleNamespace(task=task)
+def _server_round(plugin, round, uploads):
+    run = SimpleNamespace()
     ups = [Upload(i, 10, {"gldp_prototypes": p}) for i, p in enumerate(uploads)]
-    fused = plugin.fedaval_server_fuse(run=run, uploads=ups, round=round)["gldp_prototypes"]
-    if round % 2 == 0:
-        plugin.fedaval_server_task_end(run=run, task=task)
-    return fused
+    return plugin.fedaval_server_fuse(run=run, uploads=ups, round=round)["gldp_prototypes"]
 
 
-def test_global_moving_average_eq11_one_step_per_stage():
-    plugin = GLDP()  # beta 0.5; stages of 2 rounds
-    g = _server_round(plugin, 1, 0, [{0: t(1, 1), 1: t(0, 2)}, {0: t(3, 3)}])
+def test_global_moving_average_eq11_every_round():
+    plugin = GLDP()  # beta 0.5
+    g = _server_round(plugin, 1, [{0: t(1, 1), 1: t(0, 2)}, {0: t(3, 3)}])
     assert torch.equal(g[0], t(2, 2)) and torch.equal(g[1], t(0, 2))  # new classes: plain mean, as is
-    g = _server_round(plugin, 2, 0, [{0: t(5, 5)}])  # same stage: joins the mean, no second EMA step
-    assert torch.equal(g[0], t(3, 3)) and torch.equal(g[1], t(0, 2))
-    g = _server_round(plugin, 3, 1, [{0: t(1, 1)}])  # next stage: 0.5 * 3 + 0.5 * 1
-    assert torch.equal(g[0], t(2, 2)) and torch.equal(g[1], t(0, 2))
-    g = _server_round(plugin, 4, 1, [])  # no upload: unchanged
-    assert torch.equal(g[0], t(2, 2))
+    g = _server_round(plugin, 2, [{0: t(6, 6)}])  # Algorithm 1: one EMA step per round
+    assert torch.equal(g[0], t(4, 4)) and torch.equal(g[1], t(0, 2))
+    g = _server_round(plugin, 3, [{0: t(0, 0)}, {0: t(2, 2)}])  # 0.5 * 4 + 0.5 * mean(0, 2)
+    assert torch.equal(g[0], t(2.5, 2.5))
+    g = _server_round(plugin, 4, [])  # no upload: unchanged
+    assert torch.equal(g[0], t(2.5, 2.5))
 
 
 def test_class_frequency_weights():
@@ -92,23 +92,77 @@ def test_global_relation_loss_eq10_weighted_mse():
 
 
 def test_local_relation_loss_eq8_reading():
-    # KL(softmax(old) || softmax(current)); old=(0,0) -> P=(1/2,1/2), current=(ln 3, 0) -> Q=(3/4,1/4)
-    current = {0: t(math.log(3), 0.0), 5: t(1.0, 2.0)}
-    old = {0: t(0.0, 0.0), 7: t(1.0, 1.0)}
-    expected = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25)
-    assert local_relation_loss(current, old).item() == pytest.approx(expected, rel=1e-5)
-    # averaged over the classes that have an old prototype; identical prototypes cost nothing
-    two = local_relation_loss({0: t(math.log(3), 0.0), 7: t(1.0, 1.0)}, old)
+    # old prototypes of classes 0 and 7 at distance 1: P^0 = softmax(0, -1)
+    old = {0: t(0.0, 0.0), 7: t(1.0, 0.0)}
+    p0 = torch.softmax(t(0.0, -1.0), 0)
+    # a class-0 sample at (2, 0): distances (2, 1) -> q = softmax(-2, -1)
+    q = torch.softmax(t(-2.0, -1.0), 0)
+    expected = float((p0 * (p0.log() - q.log())).sum())
+    features, labels = t([2.0, 0.0], [5.0, 5.0]), torch.tensor([0, 5])  # class 5 has no old prototype
+    assert local_relation_loss(features, labels, old).item() == pytest.approx(expected, rel=1e-5)
+    # a sample on its old prototype costs nothing; mean over the samples with an old prototype
+    two = local_relation_loss(t([2.0, 0.0], [0.0, 0.0]), torch.tensor([0, 0]), old)
     assert two.item() == pytest.approx(expected / 2, rel=1e-5)
-    assert local_relation_loss({5: t(1.0, 2.0)}, old) is None
+    assert local_relation_loss(features[1:], labels[1:], old) is None
+    assert local_relation_loss(features, labels, {}) is None
 
 
 def test_losses_are_differentiable_in_the_features():
     features = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=True)
-    current, _ = class_means(features, torch.tensor([0, 0]))
-    loss = global_relation_loss(current, {0: t(0, 0)}, {0: 1.0}) + local_relation_loss(current, {0: t(2, 0)})
+    labels = torch.tensor([0, 0])
+    current, _ = class_means(features, labels)
+    old = {0: t(2, 0), 1: t(0, 2)}
+    loss = global_relation_loss(current, {0: t(0, 0)}, {0: 1.0}) + local_relation_loss(features, labels, old)
     loss.backward()
     assert features.grad is not None and features.grad.abs().sum() > 0
+
+
+def test_local_relation_loss_keeps_old_prototypes_in_place():
+    """Old classes' features drift less with L_LP: a small base trained on
+    new classes only (cross-entropy), with and without lambda * L_LP over the
+    stored prototypes of every class; measured, the old classes' mean
+    features move by far less with it (0.35 vs 0.64 of their length)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(digits.target)
+    old_classes, new_classes = [0, 1, 2], [3, 4, 5]
+
+    def base_and_head(seed):
+        torch.manual_seed(seed)
+        base = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16), torch.nn.ReLU())
+        return base, torch.nn.Linear(16, 10)
+
+    def train(base, head, classes, steps, stored=None, lam=0.0):
+        opt = torch.optim.SGD([*base.parameters(), *head.parameters()], lr=0.1)
+        mask = torch.isin(y, torch.tensor(classes))
+        xs, ys = x[mask], y[mask]
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            idx = torch.randint(len(ys), (32,), generator=gen)
+            f = base(xs[idx])
+            loss = torch.nn.functional.cross_entropy(head(f), ys[idx])
+            if stored:
+                loss = loss + lam * local_relation_loss(f, ys[idx], stored)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def means(base):
+        with torch.no_grad():
+            return class_means(base(x), y)[0]
+
+    drift = {}
+    for lam in (0.0, 0.5):
+        base, head = base_and_head(0)
+        train(base, head, old_classes, 300)
+        stored = means(base)  # every class's prototype after the first stage
+        # the second stage's data: the new classes plus one old class seen again (overlapping stages)
+        train(base, head, new_classes + [0], 300, stored, lam)
+        after = means(base)
+        drift[lam] = sum(float((after[c] - stored[c]).norm() / stored[c].norm()) for c in old_classes) / 3
+    assert drift[0.5] < 0.7 * drift[0.0], drift
 
 
 def test_nearest_prototype_prediction_eq13():
@@ -249,13 +303,13 @@ def test_base_epochs_then_head_epochs(gldp_run):
             assert changed(a, b, "classifier.") and not changed(a, b, "features.")
 
 
-def test_prototypes_uploaded_at_task_end_and_kept_locally(gldp_run):
+def test_prototypes_uploaded_every_round_and_kept_locally(gldp_run):
     results, probe, plugin, run = gldp_run
     classes = results["scenario"]["client_task_classes"]
-    # every client trains in every round (clients_per_round=0): task ends at rounds 2 and 4
-    assert sorted((r, k) for r, k, _ in probe.prototype_uploads) == [(r, k) for r in (2, 4) for k in range(3)]
+    # Algorithm 1: every client uploads its prototypes every round (all clients train every round)
+    assert sorted((r, k) for r, k, _ in probe.prototype_uploads) == [(r, k) for r in (1, 2, 3, 4) for k in range(3)]
     for r, k, sent in probe.prototype_uploads:
-        assert sent == set(classes[k][r // 2 - 1])  # the classes of that task only
+        assert sent == set(classes[k][(r - 1) // 2])  # the classes of that task only
     for k in range(3):
         assert set(run.clients[k].stash[LOCAL]) == set(classes[k][0]) | set(classes[k][1])
     assert set(plugin.global_set) == {c for k in range(3) for task in classes[k] for c in task}
@@ -265,8 +319,10 @@ def test_losses_and_metrics_are_recorded(gldp_run):
     results, *_ = gldp_run
     rounds = results["rounds"]
     assert all({"loss/gldp_lp", "loss/gldp_gp"} <= set(r["losses"]) for r in rounds)
-    assert rounds[0]["losses"]["loss/gldp_gp"] == 0  # no global prototype before the first task end
-    assert rounds[2]["losses"]["loss/gldp_gp"] > 0
+    assert rounds[0]["losses"]["loss/gldp_gp"] == 0  # no prototype before the first fusion
+    assert rounds[0]["losses"]["loss/gldp_lp"] == 0
+    # measured before (prototypes moved once per stage): both exactly 0 through stage 0
+    assert rounds[1]["losses"]["loss/gldp_gp"] > 0 and rounds[1]["losses"]["loss/gldp_lp"] > 0
     gldp = rounds[-1]["plugin_metrics"]["gldp"]
     assert 0 <= gldp["gldp_a_loc_gp"] <= 1 and 0 <= gldp["gldp_a_loc_lp"] <= 1
 
@@ -274,3 +330,38 @@ def test_losses_and_metrics_are_recorded(gldp_run):
 def test_epochs_that_do_not_add_up_are_a_usage_error(tiny_config):
     with pytest.raises(FedavalUsageError, match="pass --local-epochs 3"):
         run_training(tiny_config(plugins=["gldp"], plugin_options={"gldp": {"t": 1, "s": 2}}, local_epochs=1))
+
+
+def test_one_stage_run_uses_both_terms_and_evaluates_with_prototypes(tiny_config):
+    """M = 1 (the paper's Table 1 setting): before, L_GP and L_LP were 0 for the
+    whole run and the global model evaluated with its untrained linear head
+    until the stage's end."""
+    calls = []
+
+    class Watch:
+        name = "watch"
+
+        @hookimpl(tryfirst=True, wrapper=True)
+        def fedaval_classify(self, run, client, model, features, training):
+            scores = yield
+            if client is None and not training:
+                calls.append((run.round, scores is not None))
+            return scores
+
+    results = run_training(
+        tiny_config(plugins=["gldp"], local_epochs=3, rounds_per_task=3, scenario="sthfl",
+                    scenario_options={"clients": 3, "classes_per_task": 3, "tasks": 1, "imbalance": 2.0}),
+        extra_plugins=[Watch()],
+    )
+    rounds = results["rounds"]
+    assert all(r["losses"]["loss/gldp_gp"] > 0 and r["losses"]["loss/gldp_lp"] > 0 for r in rounds[1:])
+    # the global model's mid-stage evaluations (rounds 1 and 2) are nearest-prototype ones
+    assert {r for r, _ in calls} == {1, 2, 3} and all(proto for _, proto in calls)
+
+
+def test_one_local_epoch_warns_that_base_and_head_are_not_split(tiny_config, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="fedaval"):
+        run_training(tiny_config(plugins=["gldp"], local_epochs=1, rounds_per_task=1))
+    assert any("no base/head split" in r.getMessage() for r in caplog.records)

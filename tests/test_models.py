@@ -9,7 +9,7 @@ import torchvision
 from fedaval.models import SplitModel, build_model, split_model
 
 
-@pytest.mark.parametrize("name, shape, dim", [("mlp", (1, 8, 8), 64), ("cnn", (3, 32, 32), 128), ("resnet18", (3, 32, 32), 512)])
+@pytest.mark.parametrize("name, shape, dim", [("mlp", (1, 8, 8), 64), ("cnn", (3, 32, 32), 128), ("resnet18", (3, 32, 32), 512), ("resnet34", (3, 32, 32), 512)])
 def test_models_expose_features_and_classifier(name, shape, dim):
     model = build_model(name, shape, 10)
     x = torch.randn(2, *shape)
@@ -19,11 +19,25 @@ def test_models_expose_features_and_classifier(name, shape, dim):
     assert model.classifier_keys() == ["classifier.weight", "classifier.bias"]
 
 
-def test_resnet18_has_the_cifar_stem():
-    model = build_model("resnet18", (3, 32, 32), 10)
+@pytest.mark.parametrize("name", ["resnet18", "resnet34"])
+def test_resnets_have_the_cifar_stem(name):
+    model = build_model(name, (3, 32, 32), 10)
     stem = model.features[0]
     assert stem.kernel_size == (3, 3) and stem.stride == (1, 1)
     assert not any(isinstance(m, torch.nn.MaxPool2d) for m in model.features.modules())
+
+
+def test_resnet34_has_34_layers_and_torchvisions_weight_count():
+    """PFCL's backbone (``--model resnet34``): 3, 4, 6, 3 basic blocks, i.e. 33
+    3x3 convolutions + the classifier; the same number of weights as
+    torchvision's ResNet-34 less the 7x7 stem's extra taps (the paper: 21M)."""
+    model = build_model("resnet34", (3, 32, 32), 100)
+    convs = [m for m in model.features.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert len(convs) == 33
+    ours = sum(p.numel() for p in model.parameters())
+    theirs = sum(p.numel() for p in torchvision.models.resnet34(num_classes=100).parameters())
+    assert ours == theirs - 64 * 3 * (7 * 7 - 3 * 3)
+    assert 21_000_000 < ours < 21_400_000
 
 
 def test_split_any_torchvision_model_at_its_last_linear_layer():

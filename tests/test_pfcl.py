@@ -167,3 +167,30 @@ def test_bad_options_are_one_line_errors(tiny_config):
         run_training(tiny_config(plugins=["pfcl"], plugin_options={"pfcl": {"models": "mlp,cnn"}}))
     with pytest.raises(FedavalUsageError, match="pfcl.memory"):
         run_training(tiny_config(plugins=["pfcl"], plugin_options={"pfcl": {"memory": "all"}}))
+
+
+def test_one_temperature_for_the_classifier_and_the_distillation():
+    """The paper writes one T: the classifier's distances are divided by the
+    same ``temperature`` as the distillation's (before: a separate
+    ``classifier_temperature`` of 1.0, so T = 2 reached only L_D)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fedaval.options import build_options
+    from fedaval.plugins.pfcl import PFCL
+    from fedaval.plugins.pfcl_math import library_logits
+    from fedaval.stash import Stash
+
+    plugin = PFCL(build_options(PFCL.Options, {"temperature": "3"}, owner="pfcl"))
+    client = SimpleNamespace(stash=Stash())
+    client.stash[LOCAL] = {0: torch.tensor([0.0, 0.0]), 2: torch.tensor([3.0, 4.0])}
+    features = torch.tensor([[0.0, 0.0]])
+    logits = plugin.fedaval_classify(
+        run=SimpleNamespace(num_classes=3), client=client, model=None, features=features, training=True
+    )
+    assert torch.allclose(logits, library_logits(features, client.stash[LOCAL], 3, 3.0))
+    assert logits[0, 2].item() == pytest.approx(-5.0 / 3)
+    assert PFCL().options.temperature == 2.0
+    with pytest.raises(FedavalUsageError, match="classifier_temperature"):
+        build_options(PFCL.Options, {"classifier_temperature": "1"}, owner="pfcl")

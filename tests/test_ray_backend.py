@@ -225,15 +225,15 @@ def test_the_stash_travels_with_its_client(tiny_config):
     """A client's plugin state (its stash) goes to a worker and back with the
     client, as one pickle with it; no Ray needed."""
     from fedaval.backends import transfer
-    from fedaval.plugins.gldp import LOCAL, PENDING
     from fedaval.build import build_run
+    from fedaval.plugins.gldp import LOCAL, RECEIVED
 
     run = build_run(tiny_config(plugins=["gldp"], out=None), out_dir=None)
     client = run.clients[1]
     client.stash[LOCAL] = {3: "prototype"}
-    client.stash[PENDING] = {3: "pending"}
+    client.stash[RECEIVED] = {3: "received"}
     back = transfer.loads(run, transfer.dumps(run, {"client": client}))["client"]
-    assert back is not client and back.stash[LOCAL] == {3: "prototype"} and back.stash[PENDING] == {3: "pending"}
+    assert back is not client and back.stash[LOCAL] == {3: "prototype"} and back.stash[RECEIVED] == {3: "received"}
     assert back.strategy.client is back  # the strategy still knows its client
 
 

@@ -13,8 +13,12 @@ Each client gets one fresh instance of an Avalanche training plugin (through
   unchanged), keyed by the client's own experience counter (tasks it trained).
 * **FedLwF** (``LwFPlugin``): the teacher is snapshotted once per task, same
   moment: the client's local model at the end of its last round of the task.
-* **FedReplay** (``ReplayPlugin``): the exemplar memory (``mem_size``, 500 by
-  default as in FedProK's FediCaRL baseline) is updated once per task; its
+* **FedReplay** (``ReplayPlugin``): *random* experience replay, not FediCaRL
+  (no herding selection, no nearest-mean-of-exemplars classifier, no
+  distillation; FediCaRL proper comes with the FCIL baselines). The memory
+  (``mem_size``, 500 by default, the size of FedProK's FediCaRL baseline) is
+  filled with random samples balanced over tasks (Avalanche's
+  ``ExperienceBalancedBuffer``) and updated once per task; its
   ``ReplayDataLoader`` is built at the task's first round and kept by the core
   for every later round of the task.
 
@@ -118,10 +122,13 @@ class FedLwF(AvalancheBridge):
 
 
 class FedReplay(AvalancheBridge):
-    """FedAvg + Avalanche's ReplayPlugin (a fixed exemplar memory) on every client."""
+    """FedAvg + random experience replay (Avalanche's ReplayPlugin, a fixed
+    memory per client) on every client; not FediCaRL."""
 
     name = "fedreplay"
-    description = "FedReplay: FedAvg + Avalanche's experience replay, fixed memory per client (500)"
+    description = (
+        "FedReplay: FedAvg + random experience replay (Avalanche ReplayPlugin, 500 per client); not FediCaRL"
+    )
     avalanche_class = "ReplayPlugin"
 
     @dataclasses.dataclass

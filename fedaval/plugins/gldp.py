@@ -7,18 +7,21 @@
   epochs, then the head for ``s`` (:mod:`fedaval.plugins.personal`; with
   ``--local-epochs`` E: t + s must equal E when both are given, default
   t = max(1, round(E/3)) and s = E - t so that t < s as in the paper, and
-  with E = 1 base and head train together).
-* Prototypes (Eq. 6): at the end of a client's task (its last round of the
-  stage) the client computes C_i^n, the mean base feature of each class n
-  of its current-task data, and uploads them with that round's weights.
-* Local prototype set (Eq. 9): ``C^_i^n <- beta C^_i^n + (1-beta) C_i^n`` at
-  each task end, a new class added as it is.
-* Global prototype set (Eq. 11), on the server: ``C~^n <- beta C~^n +
-  (1-beta) mean_{i in N_n} C_i^n``. Reading: one moving-average step per
-  stage, N_n = the clients that finished the stage holding class n (clients
-  sampled in different rounds of a stage join the same mean; the step is
-  recomputed from the previous stages' set each time one arrives). The set
-  is broadcast as the download entry ``gldp_prototypes``.
+  with E = 1 base and head train together: there is no split then, and
+  the run says so with a warning at start-up).
+* Prototypes (Eq. 6), every round (Algorithm 1, lines 14-18): after its
+  local epochs each sampled client computes C_i^n, the mean base feature of
+  each class n of its current-task data (eval mode), and uploads them with
+  that round's base weights.
+* Local prototype set (Eq. 9): ``C^_i^n <- beta C^_i^n + (1-beta) C_i^n``
+  after every local round (Algorithm 1, line 15), a new class added as it is.
+* Global prototype set (Eq. 11), on the server, every round (Algorithm 1,
+  lines 5-6): ``C~^n <- beta C~^n + (1-beta) mean_{i in N_n} C_i^n``, N_n =
+  the clients of the round that uploaded class n; a class new to the set is
+  added as the mean. The set is broadcast as the download entry
+  ``gldp_prototypes``. So L_GP and L_LP act from the second round of the
+  first stage on, in M = 1 runs too, and the global model predicts with
+  prototypes from the first round's fusion on.
 * Loss (Eq. 12): CE + lambda L_LP + (1 - lambda) L_GP, see
   :func:`local_relation_loss` and :func:`global_relation_loss` for the
   readings of Eq. 7/8 and 10. Logged as ``gldp_lp`` and ``gldp_gp``.
@@ -54,32 +57,47 @@ from fedaval.prototypes import (
 from fedaval.stash import StashKey
 
 ENTRY = "gldp_prototypes"
-LOCAL = StashKey[PrototypeSet]("gldp.local")  # C^_i: consolidated local set (earlier task ends)
+LOCAL = StashKey[PrototypeSet]("gldp.local")  # C^_i: the local set (Eq. 9, after every local round)
 RECEIVED = StashKey[PrototypeSet]("gldp.received")  # the global set last received
 WEIGHTS = StashKey[dict]("gldp.weights")  # T_i^n / T_i of the current task
-PENDING = StashKey[PrototypeSet]("gldp.pending")  # C_i of a task just ended, to upload
 
 
-def local_relation_loss(current: PrototypeSet, old: PrototypeSet) -> torch.Tensor | None:
-    """L_LP, GLDP Eq. 7/8: keeps a class's features where the earlier stages
-    left them (anti-forgetting).
+def prototype_distribution(points: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
+    """``softmax_k(-||x - C^k||_2)`` over the prototypes (rows of ``bank``) for
+    each row ``x`` of ``points``: the class distribution of GLDP's
+    nearest-prototype predictor (Eq. 13), as log-probabilities [N, K]."""
+    return F.log_softmax(-torch.cdist(points, bank), dim=-1)
 
-    Reading (the paper writes KL(C^_i^n || p_i^n(x)) without saying how a
-    prototype becomes a distribution): ``KL(softmax(C^_i^n) ||
-    softmax(C_i^n))`` where C^_i^n is the old local prototype (constant)
-    and C_i^n the *current* prototype of class n, the mean feature of the
-    class-n samples of the minibatch (differentiable); averaged over the
-    classes of the minibatch that have an old prototype. ``None`` when no
-    class has one (then the term is 0)."""
-    classes = [c for c in current if c in old]
-    if not classes:
+
+def local_relation_loss(features: torch.Tensor, labels: torch.Tensor, old: PrototypeSet) -> torch.Tensor | None:
+    """L_LP, GLDP Eq. 7/8: keeps a class's features where the earlier rounds
+    and stages left them (anti-forgetting).
+
+    Reading (the paper writes KL(C^_i^n || p_i^n(x)), a prototype against a
+    "prediction probability"): both sides are class distributions of the
+    nearest-prototype predictor over the client's old local prototypes
+    ``C^_i`` (constant). The old side is where the stored prototype of the
+    sample's class sits among them, ``P^n = softmax_k(-||C^_i^n -
+    C^_i^k||)``; the current side is where the sample's feature sits,
+    ``p(x) = softmax_k(-||f(x) - C^_i^k||)`` (differentiable). ``L_LP =
+    mean over the minibatch samples whose class has an old prototype of
+    KL(P^{y} || p(x))``. Distances between features are O(1) and more, so
+    the term carries weight (the earlier reading, a KL between softmaxes over
+    feature dimensions of two mean features, was about 1e-3 on digits).
+    ``None`` when no sample's class has an old prototype."""
+    if not old:
         return None
-    terms = []
-    for c in classes:
-        log_q = F.log_softmax(current[c], dim=-1)
-        p = F.softmax(old[c].to(current[c].device, current[c].dtype), dim=-1)
-        terms.append(F.kl_div(log_q, p, reduction="sum"))
-    return torch.stack(terms).mean()
+    classes = sorted(old)
+    index = {c: i for i, c in enumerate(classes)}
+    rows = [i for i, y in enumerate(labels.tolist()) if y in index]
+    if not rows:
+        return None
+    bank = torch.stack([old[c].to(features.device, features.dtype) for c in classes])
+    rows_t = torch.tensor(rows, device=features.device)
+    targets = torch.tensor([index[int(labels[i])] for i in rows], device=features.device)
+    log_p_old = prototype_distribution(bank, bank)[targets]
+    log_q = prototype_distribution(features[rows_t], bank)
+    return F.kl_div(log_q, log_p_old, reduction="batchmean", log_target=True)
 
 
 def global_relation_loss(
@@ -136,8 +154,6 @@ class GLDP(PersonalHead, Plugin):
 
     def __init__(self, options=None):
         super().__init__(options)
-        self.global_previous: PrototypeSet = {}  # C~ after the previous stages
-        self.stage_sets: list[PrototypeSet] = []  # uploads of the current stage
         self.global_set: PrototypeSet = {}  # C~ now (what is broadcast)
         self.eval_cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # test features
 
@@ -149,6 +165,13 @@ class GLDP(PersonalHead, Plugin):
             run.config.local_epochs, o.t, o.s,
             default_first=lambda e: max(1, round(e / 3)), names=("t", "s"), owner=self.name,
         )
+        if self.phases is None:
+            import logging
+
+            logging.getLogger("fedaval").warning(
+                "gldp: --local-epochs 1 leaves no base/head split (t + s = 1): base and head train together "
+                "every epoch; pass --local-epochs 2 or more for t base epochs then s head epochs (paper: t + s = 30)"
+            )
 
     # --- client --------------------------------------------------------------
     @hookimpl
@@ -163,7 +186,7 @@ class GLDP(PersonalHead, Plugin):
     def fedaval_client_loss(self, run, client, batch):
         current, _ = class_means(batch.features, batch.y)
         lam = self.options.lam
-        l_lp = local_relation_loss(current, client.stash.get(LOCAL, {}))
+        l_lp = local_relation_loss(batch.features, batch.y, client.stash.get(LOCAL, {}))
         l_gp = global_relation_loss(current, client.stash.get(RECEIVED, {}), client.stash.get(WEIGHTS, {}))
         zero = batch.features.new_zeros(())
         return {
@@ -172,28 +195,25 @@ class GLDP(PersonalHead, Plugin):
         }
 
     @hookimpl
-    def fedaval_client_task_end(self, run, client, task):
-        features, labels = base_features(client.model, client.train_stream[task].dataset, run.device)
-        prototypes, _ = class_means(features, labels)
-        client.stash[PENDING] = prototypes
-        client.stash[LOCAL] = ema_update(client.stash.get(LOCAL, {}), prototypes, self.options.beta)
-
-    @hookimpl
     def fedaval_client_upload(self, run, client):
-        prototypes = client.stash.pop(PENDING, None)
+        """Algorithm 1, lines 14-15: this round's prototypes C_i (Eq. 6) are
+        uploaded and folded into the local set (Eq. 9)."""
+        exp = client.train_stream[client.task]
+        if exp is None:
+            return None
+        features, labels = base_features(client.model, exp.dataset, run.device)
+        prototypes, _ = class_means(features, labels)
+        client.stash[LOCAL] = ema_update(client.stash.get(LOCAL, {}), prototypes, self.options.beta)
         return {ENTRY: prototypes} if prototypes else None
 
     # --- server --------------------------------------------------------------
     @hookimpl
     def fedaval_server_fuse(self, run, uploads, round):
-        self.stage_sets += [u.get(ENTRY) for u in uploads if u.get(ENTRY)]
-        self.global_set = ema_update(self.global_previous, mean_over_holders(self.stage_sets), self.options.beta)
+        """Algorithm 1, lines 5-6: Eq. 11 with this round's uploads."""
+        sets = [u.get(ENTRY) for u in uploads if u.get(ENTRY)]
+        if sets:
+            self.global_set = ema_update(self.global_set, mean_over_holders(sets), self.options.beta)
         return {ENTRY: self.global_set} if self.global_set else None
-
-    @hookimpl
-    def fedaval_server_task_end(self, run, task):
-        """The stage ends: its moving-average step is final."""
-        self.global_previous, self.stage_sets = self.global_set, []
 
     # --- prediction and evaluation -------------------------------------------
     def prototypes_for(self, client, predict: str) -> PrototypeSet:

@@ -33,6 +33,24 @@ Readings chosen (only the abstract and a summary of the paper are at hand):
   sampled this round drop out of the synthetic set).
 * The re-balancing starts from the FedAvg-ed classifier (a few epochs of
   SGD), rather than from a fresh layer.
+* Feature space of the statistics (``stats_exchange``, on by default). A
+  round's uploaded Gaussians come from each client's own prompts after its
+  local training, but the re-balanced classifier serves the *averaged*
+  prompts. So after the fusion of a task's last round the server runs a
+  statistics exchange: every client that trained on the task receives the
+  fused prompts and sends back the Gaussians of its task data under them;
+  these replace its Gaussians of those classes in the server's memory, and
+  the classifier is re-balanced on them (instead of on the round's uploads)
+  before the evaluation. In this simulation the server computes what each
+  client would send (the client's task data through the global model, which
+  holds exactly the fused prompts and the frozen backbone); the exchange's
+  bytes (the prompts down, the Gaussians up) are reported per task end as
+  ``hgp_exchange_bytes_down`` and ``hgp_exchange_bytes_up``, outside the
+  rounds' ``bytes_up``/``bytes_down``. Within a task, rounds re-balance on
+  the round's uploads (local prompts): the global model evaluated mid-task
+  sees statistics one local training away from its prompts. Classes of
+  earlier tasks keep the statistics of their own task's end (clients keep
+  no data of them).
 """
 
 from __future__ import annotations
@@ -85,6 +103,9 @@ class HGPOptions:
     jitter: float = option(1e-4, "added to a full covariance's diagonal (times its mean variance) before sampling",
                            non_negative)
     cache_features: bool = option(True, "remember a frozen prompt-free backbone's features per image")
+    stats_exchange: bool = option(
+        True, "at each task end, Gaussians recomputed under the fused prompts and the classifier re-balanced on them"
+    )
 
 
 # Frozen backbones (and their feature caches) outlive a run, so a benchmark
@@ -103,6 +124,7 @@ class HGP(Plugin):
         super().__init__(options)
         self.memory: dict[int, dict[int, object]] = {}  # server: class -> client id -> ClassGaussian
         self.last_loss: float | None = None
+        self.exchange_bytes: tuple[int, int] | None = None  # (down, up) of the last task end's exchange
         self._backbone = None
 
     def state_dict(self):
@@ -214,39 +236,80 @@ class HGP(Plugin):
     # --- server -----------------------------------------------------------
     @hookimpl
     def fedaval_server_fuse(self, run, uploads, round):
-        from fedaval.plugins.hgp_gaussian import ClassGaussian, balanced_synthetic_set, retrain_classifier
+        from fedaval.plugins.hgp_gaussian import ClassGaussian
 
         if self.options.stats_classes == "seen":
             self.memory = {}
         for upload in uploads:
             for c, payload in (upload.get("hgp_gaussians") or {}).items():
                 self.memory.setdefault(int(c), {})[upload.client_id] = ClassGaussian.from_payload(payload)
+        if self.options.stats_exchange and run.now.task_ends:
+            return  # re-balanced after the exchange, in fedaval_server_task_end
+        self.rebalance(run)
+
+    @hookimpl
+    def fedaval_server_task_end(self, run, task):
+        """The statistics exchange (see the module docstring), then the
+        re-balancing on its Gaussians."""
+        self.exchange_bytes = None
+        if not self.options.stats_exchange:
+            return
+        from fedaval.payload import payload_nbytes
+        from fedaval.plugins.hgp_gaussian import class_gaussians
+        from fedaval.streams import make_dataset
+
+        prompts = {k: v for k, v in run.server.download()["weights"].items() if not k.startswith("classifier.")}
+        down = up = 0
+        for client in run.clients:
+            if task not in client.tasks_started or not client.has_task(task):
+                continue
+            dataset = make_dataset(run.data, "train", client.tasks.indices[task])
+            fresh = class_gaussians(*model_features(run, run.server.model, dataset), self.options.covariance)
+            for c, g in fresh.items():
+                self.memory.setdefault(c, {})[client.id] = g
+            down += payload_nbytes(prompts)
+            up += payload_nbytes({c: g.to_payload() for c, g in fresh.items()})
+        self.exchange_bytes = (down, up)
+        self.rebalance(run)
+
+    def rebalance(self, run) -> None:
+        """Classifier re-balancing on a class-balanced sample of the mixtures."""
+        from fedaval.plugins.hgp_gaussian import (
+            balanced_synthetic_set,
+            retrain_classifier,
+        )
+
         if not self.options.rebalance or not self.memory:
-            return None
+            return
         mixtures = {c: [by_client[k] for k in sorted(by_client)] for c, by_client in self.memory.items()}
         x, y = balanced_synthetic_set(mixtures, self.options.synthetic_per_class, self.generator, self.options.jitter)
         self.last_loss = retrain_classifier(
             run.server.model.classifier, x, y, epochs=self.options.rebalance_epochs, lr=self.options.rebalance_lr,
             generator=self.generator,
         )
-        return None
 
     @hookimpl
     def fedaval_round_metrics(self, run, round):
         metrics = {"hgp_classes_modelled": float(len(self.memory))}
         if self.last_loss is not None:
             metrics["hgp_rebalance_loss"] = self.last_loss
+        if self.exchange_bytes is not None and run.now.task_ends:
+            metrics["hgp_exchange_bytes_down"], metrics["hgp_exchange_bytes_up"] = map(float, self.exchange_bytes)
         return metrics
 
 
 def client_features(run, client):
     """Features ``[N, D]`` and labels of ``client``'s current-task training
     data under its current model (eval mode, no gradient)."""
+    return model_features(run, client.model, client.train_stream[client.task].dataset)
+
+
+def model_features(run, model, dataset):
+    """Features ``[N, D]`` (on the CPU) and labels of ``dataset`` under
+    ``model`` (eval mode, no gradient; the model's mode is restored)."""
     import torch
     from torch.utils.data import DataLoader
 
-    dataset = client.train_stream[client.task].dataset
-    model = client.model
     was_training = model.training
     model.eval()
     feats, labels = [], []

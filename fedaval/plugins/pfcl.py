@@ -47,6 +47,9 @@ Readings where the paper is silent:
   prototypes (see :func:`~fedaval.plugins.pfcl_math.prototype_regulariser`).
 * Prototypes are computed with the model in eval mode (BatchNorm running
   statistics), as it is used at test time.
+* One temperature T (``temperature``, default 2, the paper's best of {1, 2,
+  3, 5, 10}) divides the distances in the prototype classifier (Eq. 11) and
+  in the distillation (Eqs. 7-8), as the paper writes one T for both.
 * The paper gives no alpha, beta or memory size; the defaults here are ours.
 """
 
@@ -84,9 +87,9 @@ class PFCL(Plugin):
     class Options:
         alpha: float = option(1.0, "weight of the distillation loss L_D (0: PFCL without L_D)", non_negative)
         beta: float = option(0.1, "weight of the prototype loss L_R (0: PFCL without L_R)", non_negative)
-        temperature: float = option(2.0, "T of the distillation softmax, Eqs. (7)-(8)", positive)
-        classifier_temperature: float = option(
-            1.0, "T of the prototype classifier, Eq. (11) (the paper writes one T for both)", positive
+        temperature: float = option(
+            2.0, "T of the prototype classifier (Eq. 11) and of the distillation (Eqs. 7-8): the paper's one T",
+            positive,
         )
         memory: Literal["per-class", "total", "none"] = option(
             "per-class", "exemplar memory policy: fixed number per class, fixed total, or none"
@@ -108,8 +111,8 @@ class PFCL(Plugin):
         for name in self.options.models:
             if name not in MODELS:
                 raise FedavalUsageError(f"bad value pfcl.models={name!r}; allowed: {', '.join(sorted(MODELS))}")
-            if name == "resnet18" and self.options.feature_dim not in (0, 512):
-                raise FedavalUsageError("bad value pfcl.feature_dim: resnet18 has 512-d features")
+            if name.startswith("resnet") and self.options.feature_dim not in (0, 512):
+                raise FedavalUsageError(f"bad value pfcl.feature_dim: {name} has 512-d features")
         if len(set(self.options.models)) > 1 and not self.options.feature_dim:
             raise FedavalUsageError(
                 "pfcl.models mixes backbones: set pfcl.feature_dim so that all prototypes have one size"
@@ -129,7 +132,7 @@ class PFCL(Plugin):
         name = names[(client_id or 0) % len(names)] if names else run.config.model
         if name == "auto":
             name = "mlp" if run.data.input_shape[-1] <= 8 else "cnn"
-        if not dim or name == "resnet18":
+        if not dim or name.startswith("resnet"):
             return build_model(name, run.data.input_shape, run.num_classes)
         return MODELS[name](run.data.input_shape, run.num_classes, feature_dim=dim)
 
@@ -163,7 +166,7 @@ class PFCL(Plugin):
         from fedaval.plugins.pfcl_math import library_logits
 
         library = self.library if client is None else client.stash.get(LOCAL, {})
-        return library_logits(features, library, run.num_classes, self.options.classifier_temperature)
+        return library_logits(features, library, run.num_classes, self.options.temperature)
 
     @hookimpl
     def fedaval_client_loss(self, run, client, batch):

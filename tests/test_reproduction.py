@@ -1,0 +1,83 @@
+"""The reproduction configs (configs/repro-*.toml) and docs/reproduction.md:
+each config is a valid `fedaval train --config` file whose ``[paper]`` table
+carries the paper's numbers and, for every row, the arguments of its run;
+each row's command and paper number appear in the docs, and no measured cell
+is filled without a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedaval.config_file import read_config_file, read_paper_table
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("repro-*.toml"))
+
+
+def train_option_names():
+    from fedaval.cli import train
+
+    return [p.name for p in train.params]
+
+
+def test_there_is_one_config_per_seed_paper_table():
+    assert {p.name for p in CONFIGS} == {
+        "repro-fedprok-table1.toml",
+        "repro-gldp-table2.toml",
+        "repro-pfcl-tiny-imagenet.toml",
+        "repro-hgp-rebalancing.toml",
+    }
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_is_a_train_file_with_a_paper_table(path):
+    values, options = read_config_file(path, train_option_names())
+    assert values["seeds"] == "42,1999,2024"
+    assert options
+    paper = read_paper_table(path)
+    assert paper["source"] and paper["metric"] in paper
+    for label, number in paper[paper["metric"]].items():
+        assert label in paper["runs"], label  # every row with a paper number has a run
+        assert isinstance(number, float)
+
+
+def measured_cells(markdown):
+    """Every cell of a column headed "measured ..." in the tables of ``markdown``."""
+    cells, header = [], None
+    for line in markdown.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        row = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = row
+        elif not set(line) <= set("|-: "):
+            cells += [c for h, c in zip(header, row) if h.startswith("measured")]
+    return cells
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_docs_list_every_row_with_its_command_and_paper_number(path):
+    docs = (ROOT / "docs" / "reproduction.md").read_text()
+    paper = read_paper_table(path)
+    assert f"configs/{path.name}" in docs
+    for label, args in paper["runs"].items():
+        assert f"| {label} |" in docs, label
+        assert f"--config configs/{path.name} {args}".rstrip() in docs, args
+    for number in paper[paper["metric"]].values():
+        assert f"| {number:.2f} |" in docs or f"| {number:.1f} |" in docs, number
+
+
+def test_no_measured_cell_is_filled_without_a_run():
+    cells = measured_cells((ROOT / "docs" / "reproduction.md").read_text())
+    assert len(cells) == 8 + 18 + 10 + 2
+    assert set(cells) == {"not run yet"}
+
+
+def test_train_ignores_the_paper_table(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('plugins = ["fedavg"]\n[paper]\nsource = "x"\n[paper.final_accuracy]\nFedAvg = 1.0\n')
+    values, options = read_config_file(path, train_option_names())
+    assert values == {"plugins": ["fedavg"]} and options == {}
