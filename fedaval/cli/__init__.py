@@ -89,7 +89,8 @@ def cli() -> None:
               help="digits, mnist, fashion-mnist, cifar10, cifar100, tiny-imagenet or imagefolder.")
 @click.option("--data-root", default=None, help="Folder holding the dataset (torchvision layout, or train/ and test/).")
 @click.option("--download", is_flag=True, help="Download a torchvision dataset into --data-root if missing.")
-@click.option("--model", default="auto", show_default=True, help="auto, mlp, cnn or resnet18.")
+@click.option("--model", default="auto", show_default=True,
+              help="auto (mlp on 8x8 images, else cnn), mlp, cnn, resnet18, resnet34, or a model a plugin registers.")
 @click.option("--rounds-per-task", default=3, show_default=True, type=int, help="Federated rounds per task.")
 @click.option("--local-epochs", default=None, type=int,
               help="Local epochs per round. Default: 2 on digits, 1 elsewhere.")
