@@ -355,30 +355,45 @@ def _format_cell(stat: tuple[float | None, float | None, int], kind: str, runs: 
     return text
 
 
-def _header(rows: list[Row]) -> tuple[list[str], list[Metric]]:
+def _header(rows: list[Row], paper: PaperRows | None = None) -> tuple[list[str], list[Metric]]:
     metrics = present_metrics(rows)
     columns = ["method", "scenario", "dataset"]
+    if paper is not None:
+        columns.append("paper row")
     if any(row.group.label for row in rows):
         columns.append("setting")
     columns += ["runs", "seeds"]
-    return columns + [m.title for m in metrics], metrics
+    titles = []
+    for m in metrics:
+        titles.append(m.title)
+        if paper is not None and m.key in paper.values:
+            titles.append(f"paper {m.title}")
+    return columns + titles, metrics
 
 
-def markdown_table(rows: list[Row]) -> str:
+def markdown_table(rows: list[Row], paper: PaperRows | None = None) -> str:
     """A pipe table, padded so it also reads well in a terminal. Accuracies,
-    forgetting and utility are percentages, shown as mean ± std."""
-    columns, metrics = _header(rows)
+    forgetting and utility are percentages, shown as mean ± std. With
+    ``paper`` (:func:`match_paper`), the paper's row name and its number
+    beside each measured metric it reports."""
+    columns, metrics = _header(rows, paper)
     body = []
-    for row in rows:
+    for index, row in enumerate(rows):
         g = row.group
         cells = [g.method, g.setting.get("scenario", ""), g.setting.get("dataset", "")]
+        if paper is not None:
+            cells.append(paper.names.get(index, ""))
         if "setting" in columns:
             cells.append(g.label)
         cells += [str(len(g.runs)), ",".join(r.seed_label for r in g.runs)]
-        cells += [_format_cell(row.stats[m.key], m.kind, len(g.runs)) for m in metrics]
+        for m in metrics:
+            cells.append(_format_cell(row.stats[m.key], m.kind, len(g.runs)))
+            if paper is not None and m.key in paper.values:
+                value = paper.values[m.key].get(index)
+                cells.append("" if value is None else f"{value:.2f}")
         body.append(cells)
     widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(columns)]
-    numeric = set(range(len(columns) - len(metrics), len(columns)))
+    numeric = set(range(columns.index("seeds") + 1, len(columns)))
 
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
@@ -413,6 +428,76 @@ def csv_table(rows: list[Row]) -> str:
             line += ["" if mean is None else repr(mean), "" if std is None else repr(std), n]
         writer.writerow(line)
     return buffer.getvalue()
+
+
+# ---------------------------------------------------------------- the paper's numbers
+
+
+@dataclass
+class PaperRows:
+    """A config's ``[paper]`` table matched to the report's rows:
+    ``values[metric key][row index]`` the paper's number for that row (in %),
+    ``names[row index]`` the paper's row name, ``unmatched`` paper rows that no
+    group of runs matches."""
+
+    source: str
+    values: dict[str, dict[int, float]]
+    names: dict[int, str]
+    unmatched: list[str]
+
+
+def _row_expectation(base_plugins: list[str], args: str) -> tuple[list[str], dict[str, str]]:
+    """What a ``[paper.runs]`` row's arguments (``-p fedprox -o fedprox.mu=0.1``)
+    make of the config's run: its plugins and the plugin options it sets."""
+    import shlex
+
+    plugins, options = list(base_plugins), {}
+    words = shlex.split(args)
+    for flag, value in zip(words, words[1:]):
+        if flag in ("-p", "--plugins"):
+            plugins = [p.strip() for p in value.split(",") if p.strip()]
+        elif flag in ("-o", "--option"):
+            key, _, raw = value.partition("=")
+            options[key.strip()] = raw.strip()
+    return plugins, options
+
+
+def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
+    """Match the rows of a config's ``[paper]`` table (``fedaval train --config``
+    files in ``configs/`` carry one) to the groups of runs: a group is a
+    paper row when its plugins are the row's and, of the plugin options any
+    row sets, it sets exactly the row's values (``[paper.runs]`` gives each
+    row's arguments on top of the config's own run). Tables ``[paper.<metric>]``
+    whose name is a report metric become columns."""
+    from fedaval.config_file import read_paper_table
+
+    with open(path, "rb") as fh:
+        import tomllib
+
+        base_plugins = list(tomllib.load(fh).get("plugins") or ["fedavg"])
+    table = read_paper_table(path)
+    if not table:
+        raise FedavalUsageError(f"--paper {str(path)!r} has no [paper] table; see configs/repro-*.toml")
+    runs = table.get("runs") or {}
+    expected = {name: _row_expectation(base_plugins, args) for name, args in runs.items()}
+    mentioned = {key for _, opts in expected.values() for key in opts}
+    drop_default = lambda plugins: [p for p in plugins if p != "fedavg"] or ["fedavg"]  # noqa: E731
+    names: dict[int, str] = {}
+    for index, group in enumerate(groups):
+        flat = {k: _as_text(v) for k, v in _flatten(group.setting).items()}
+        for name, (plugins, opts) in expected.items():
+            if drop_default(list(group.setting.get("plugins") or [])) != drop_default(plugins):
+                continue
+            if all(flat.get(key) == opts.get(key) for key in mentioned):
+                names[index] = name
+                break
+    keys = {m.key for m in METRICS}
+    values = {
+        metric: {i: float(numbers[name]) for i, name in names.items() if name in numbers}
+        for metric, numbers in table.items()
+        if metric in keys and isinstance(numbers, dict)
+    }
+    return PaperRows(str(table.get("source", path)), values, names, sorted(set(runs) - set(names.values())))
 
 
 # ---------------------------------------------------------------- figures
@@ -564,7 +649,11 @@ def _make_out_dir(out: Path) -> None:
 
 
 def write_report(
-    paths: list[str | Path], out_dir: str | Path = ".", figures: bool = True, include_incomplete: bool = False
+    paths: list[str | Path],
+    out_dir: str | Path = ".",
+    figures: bool = True,
+    include_incomplete: bool = False,
+    paper: str | Path | None = None,
 ) -> Report:
     """Read the runs, write ``report.md``, ``report.csv`` and (``figures``)
     ``accuracy.png`` and ``matrix-<run>.png`` per run into ``out_dir``;
@@ -576,7 +665,12 @@ def write_report(
     groups = group_runs(runs)
     check_runs(groups, include_incomplete)
     rows = summarise_groups(groups)
-    table = markdown_table(rows)
+    matched = match_paper(paper, groups) if paper is not None else None
+    table = markdown_table(rows, matched)
+    if matched is not None:
+        table += f"\n\npaper: {matched.source}"
+        if matched.unmatched:
+            table += f"\npaper rows with no runs here: {', '.join(matched.unmatched)}"
     _make_out_dir(out)
     files: list[Path] = []
     images: list[Path] = []

@@ -139,3 +139,30 @@ def test_same_folder_names_are_told_apart(runs, tmp_path):
     loaded = load_runs([tmp_path / "x" / "run", tmp_path / "y" / "run"])
     assert [r.name for r in loaded] == ["x-run", "y-run"]
     assert len(group_runs(loaded)) == 1
+
+
+def test_the_papers_numbers_stand_beside_the_measured_ones(runs, tmp_path):
+    """``fedaval report --paper CONFIG`` matches runs to the [paper] table's rows
+    by the arguments of [paper.runs] and puts the paper's number beside each."""
+    from fedaval.api import run_training
+
+    prox = tmp_path / "prox"
+    run_training(tiny_run_config(prox, seed=1, plugins=["fedprox"]))
+    config = tmp_path / "paper.toml"
+    config.write_text(
+        'plugins = ["fedprok"]\n'
+        '[paper]\nsource = "a table"\n'
+        '[paper.final_accuracy]\nFedAvg = 18.45\nFedProx = 17.49\nFedProK = 64.34\n'
+        '[paper.runs]\nFedAvg = "-p fedavg"\nFedProx = "-p fedprox"\nFedProK = ""\n'
+    )
+    result = CliRunner().invoke(cli, ["report", str(runs["a-s1"]), str(runs["a-s2"]), str(prox),
+                                      "--paper", str(config), "--no-figures", "--out-dir", str(tmp_path / "rep")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    header = next(line for line in lines if line.startswith("| method"))
+    assert "paper row" in header and "paper final acc" in header
+    fedavg = next(line for line in lines if line.startswith("| fedavg "))
+    fedprox = next(line for line in lines if line.startswith("| fedprox "))
+    assert "FedAvg" in fedavg and "18.45" in fedavg
+    assert "FedProx" in fedprox and "17.49" in fedprox
+    assert "paper rows with no runs here: FedProK" in result.output

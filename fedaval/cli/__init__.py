@@ -213,11 +213,14 @@ def list_scenarios() -> None:
 @click.option("--no-figures", is_flag=True, help="Only the tables.")
 @click.option("--include-incomplete", is_flag=True,
               help="Report runs that stopped before their last round, marked with their rounds (default: refuse them).")
-def report(run_dirs, out_dir, no_figures, include_incomplete) -> None:
+@click.option("--paper", "paper", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="A config with a [paper] table (configs/repro-*.toml): the paper's numbers beside the measured ones.")
+def report(run_dirs, out_dir, no_figures, include_incomplete, paper) -> None:
     """Compare runs: a table (mean ± std over seeds) and figures."""
     from fedaval.report import write_report
 
-    result = write_report(run_dirs, out_dir, figures=not no_figures, include_incomplete=include_incomplete)
+    result = write_report(run_dirs, out_dir, figures=not no_figures, include_incomplete=include_incomplete,
+                          paper=paper)
     click.echo(result.table)
     click.echo("runs of each row:\n" + result.grouping)
     click.echo("wrote " + ", ".join(str(p) for p in result.files))
