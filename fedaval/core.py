@@ -6,6 +6,8 @@ that implements the same hook wins.
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+
 from fedaval import hookimpl
 
 
@@ -59,8 +61,6 @@ class CorePlugin:
 
     @hookimpl(trylast=True)
     def fedaval_client_criterion(self, run, client, logits, y):
-        import torch.nn.functional as F
-
         return F.cross_entropy(logits, y)
 
     @hookimpl(trylast=True)

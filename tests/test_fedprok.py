@@ -22,6 +22,8 @@ from fedaval.plugins.fedprok import (
     UPLOAD_KEY,
     FedProK,
     FedProKOptions,
+)
+from fedaval.plugins.fedprok_math import (
     class_prototypes,
     fuse_prototypes,
     nearest_classes,

@@ -15,6 +15,8 @@ from fedaval.payload import Upload
 from fedaval.plugins.gldp import (
     GLDP,
     LOCAL,
+)
+from fedaval.plugins.gldp_math import (
     class_frequency_weights,
     global_relation_loss,
     local_relation_loss,

@@ -42,6 +42,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
 from fedaval import hookimpl
 from fedaval.options import option, unit_interval
 from fedaval.plugin import Plugin
@@ -70,9 +74,6 @@ def personal_step(model, v_params, v_buffers, alpha, x, y, loss_fn, lr, alpha_lr
     ``v_params`` (leaf tensors) are updated in place and ``v_buffers`` by the
     forward pass; ``model``'s own weights are neither read for gradient nor
     changed. Returns ``(loss, new alpha)``."""
-    import torch
-    from torch.func import functional_call
-
     w = {name: p.detach() for name, p in model.named_parameters()}
     a = torch.tensor(float(alpha), requires_grad=adaptive)
     mixed = {name: a * v_params[name] + (1 - a) * w[name] for name in w}
@@ -110,8 +111,6 @@ class APFL(Plugin):
 
     @hookimpl
     def fedaval_client_loss(self, run, client, batch):
-        import torch.nn.functional as F
-
         params, buffers = self._personal(client)
         from fedaval.training import round_lr
 

@@ -7,6 +7,8 @@ overrides it by implementing the same hook.
 
 from __future__ import annotations
 
+import torch
+
 from fedaval import hookimpl
 from fedaval.plugin import Plugin
 
@@ -15,8 +17,6 @@ def weighted_average(states, weights):
     """sum_k w_k * state_k / sum_k w_k, key by key, over the states that have
     the key (McMahan et al. 2017, Algorithm 1). Returns float tensors in the
     dtype of the first state."""
-    import torch
-
     keys: list[str] = []
     for state in states:
         keys += [k for k in state if k not in keys]

@@ -24,6 +24,8 @@ Readings chosen:
 
 from __future__ import annotations
 
+import torch
+
 from fedaval import hookimpl
 from fedaval.plugin import Plugin
 from fedaval.plugins.fedavg import weighted_average
@@ -47,8 +49,6 @@ def fednova_fuse(global_weights, local_weights, num_samples, step_norms):
     ``x - tau_eff * sum_k p_k (x - x_k) / a_k``, ``p_k = n_k / sum n``,
     ``tau_eff = sum_k p_k a_k``, with ``a_k = step_norms[k]``. Equals FedAvg
     when every ``a_k`` is the same."""
-    import torch
-
     total = float(sum(num_samples))
     p = [n / total for n in num_samples]
     tau_eff = sum(pk * ak for pk, ak in zip(p, step_norms))

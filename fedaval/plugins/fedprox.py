@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from fedaval import hookimpl
 from fedaval.options import non_negative, option
 from fedaval.plugin import Plugin
@@ -24,8 +26,6 @@ def proximal_term(params, anchor, mu: float):
     """``mu/2 * sum_j ||params[j] - anchor[j]||^2`` over the keys of ``anchor``
     (Li et al. 2020, Eq. 2). Its gradient w.r.t. ``params[j]`` is
     ``mu * (params[j] - anchor[j])``; ``anchor`` gets none."""
-    import torch
-
     total = None
     for key, ref in anchor.items():
         term = (params[key] - ref.detach()).pow(2).sum()

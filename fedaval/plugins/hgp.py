@@ -59,6 +59,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
 from fedaval.options import non_negative, option, positive
@@ -133,8 +137,6 @@ class HGP(Plugin):
     # --- set-up -----------------------------------------------------------
     @hookimpl
     def fedaval_setup(self, run):
-        import torch
-
         from fedaval.plugins.hgp_backbones import check_vit_shape
 
         o = self.options
@@ -201,8 +203,6 @@ class HGP(Plugin):
 
     @hookimpl
     def fedaval_make_model(self, run, client_id):
-        from torch import nn
-
         from fedaval.models import SplitModel
         from fedaval.plugins import hgp_backbones as hb
 
@@ -307,9 +307,6 @@ def client_features(run, client):
 def model_features(run, model, dataset):
     """Features ``[N, D]`` (on the CPU) and labels of ``dataset`` under
     ``model`` (eval mode, no gradient; the model's mode is restored)."""
-    import torch
-    from torch.utils.data import DataLoader
-
     was_training = model.training
     model.eval()
     feats, labels = [], []

@@ -59,6 +59,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
 from fedaval.options import non_negative, option, positive
@@ -170,8 +172,6 @@ class PFCL(Plugin):
 
     @hookimpl
     def fedaval_client_loss(self, run, client, batch):
-        import torch
-
         from fedaval.plugins.pfcl_math import distillation_loss, prototype_regulariser, stack_library
 
         terms = {}

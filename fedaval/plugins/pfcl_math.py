@@ -54,8 +54,11 @@ def library_logits(
 
 
 def class_means(features: torch.Tensor, labels: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Eq. (2): p_{c,i} = mean of f(x) over the samples of class i."""
-    return {int(c): features[labels == c].mean(0) for c in torch.unique(labels)}
+    """Eq. (2): p_{c,i} = mean of f(x) over the samples of class i
+    (:func:`fedaval.prototypes.class_means`, without the counts)."""
+    from fedaval.prototypes import class_means as means_and_counts
+
+    return means_and_counts(features, labels)[0]
 
 
 def temperature_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
