@@ -121,7 +121,7 @@ class FedWeIT(Plugin):
         """The base (every round) and, when the client starts a task, the
         knowledge base: the latest ``kb_size`` A's of other clients (sparse)."""
         out = {"fedweit_base": self.base}
-        if run.now.task not in client.tasks_started and self.options.kb_size > 0:
+        if run.now.task not in client.tasks_started and client.has_task(run.now.task) and self.options.kb_size > 0:
             others = [entry for cid, _, entry in self.kb if cid != client.id]
             out["fedweit_kb"] = others[-self.options.kb_size:]
         return out
