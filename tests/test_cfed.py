@@ -145,3 +145,26 @@ def test_surrogate_bad_root_or_name_is_a_one_line_error(tmp_path):
     assert "cfed.surrogate_root" in line
     line = one_line_error(["train", "--plugins", CFED, "-o", "cfed.surrogate=nosuchdata"])
     assert "nosuchdata" in line and "digits" in line
+
+
+def test_same_dataset_is_allowed_with_classes_outside_the_tasks():
+    """``surrogate_classes`` outside every task's classes make the run's own
+    dataset a valid surrogate (a held-out class split); one shared class is refused."""
+    from types import SimpleNamespace
+
+    from fedaval.datasets import DATASETS, load_dataset
+    from fedaval.errors import FedavalUsageError
+    from fedaval.plugins.cfed import CFeD, load_surrogate
+
+    data = load_dataset("digits")
+    run = SimpleNamespace(
+        datasets=DATASETS, data=data, config=SimpleNamespace(dataset="digits", data_root=None, seed=0),
+        federation_task_classes=lambda: [[0, 1], [2, 3]],
+    )
+    options = CFeD.Options(surrogate="digits", surrogate_classes=[5, 6], surrogate_samples=50)
+    pool = load_surrogate(run, options)
+    assert pool.shape == (50, 1, 8, 8)
+    held_out = torch.isin(data.train_y, torch.tensor([5, 6])).sum()
+    assert held_out >= 50
+    with pytest.raises(FedavalUsageError, match=r"shares classes \[3\]"):
+        load_surrogate(run, CFeD.Options(surrogate="digits", surrogate_classes=[3, 5]))

@@ -9,8 +9,8 @@ against hand-computed values in ``tests/test_cfed_math.py``; the hook glue is
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedaval import hookimpl
-from fedaval.options import non_negative, option, unit_interval
+from fedaval.options import non_negative, option
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 

@@ -19,7 +19,7 @@ task-adaptive parameters) weighted by the learnable attention alpha^(t).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +136,8 @@ class _Decomposed(nn.Module):
     ``kb`` (up to ``kb_size`` other clients' A's; ``kb_used`` of them in use).
     The bias is an ordinary local parameter (not decomposed, not shared)."""
 
+    kb: torch.Tensor
+
     def _init_parts(self, weight: torch.Tensor, bias: torch.Tensor | None, kb_size: int) -> None:
         self.base = nn.Parameter(weight.detach().clone())
         self.mask = nn.Parameter(torch.ones(weight.shape[0]))
@@ -159,12 +161,12 @@ class _Decomposed(nn.Module):
         self.adaptive.zero_()
         self.kb.zero_()
         self.alpha.zero_()
-        kb = list(kb)[: self.kb.shape[0]]
-        for j, a in enumerate(kb):
+        entries = list(kb)[: self.kb.shape[0]]
+        for j, a in enumerate(entries):
             self.kb[j].copy_(a)
-        self.kb_used = len(kb)
-        if kb:
-            self.alpha[: len(kb)] = 1.0 / len(kb)
+        self.kb_used = len(entries)
+        if entries:
+            self.alpha[: len(entries)] = 1.0 / len(entries)
 
 
 class DecomposedLinear(_Decomposed):
