@@ -46,6 +46,9 @@ Readings and choices where the paper leaves room:
   over its senders (official code), so entries nobody sent keep their value.
 * FedWeIT has no global model: the federation's model is the clients'
   (``fedaval_federation_model`` is ``"clients"``).
+* Memory per client: the model's decomposed weights times (3 + ``kb_size``)
+  (B, A, the knowledge-base buffer; m is per unit) plus two copies per
+  finished task (R^(i) and theta^(i)) for the retroactive term.
 * Defaults: lambda_1 = 1e-3 (the official code's ``lambda_l1``); lambda_2 = 1
   (the official 100 is for Adam at lr 1e-3; with SGD lambda_2 * lr must stay
   well below 1); fractions 0.5 and 0.3 and ``kb_size`` 3 are ours.
