@@ -168,3 +168,9 @@ def test_same_dataset_is_allowed_with_classes_outside_the_tasks():
     assert held_out >= 50
     with pytest.raises(FedavalUsageError, match=r"shares classes \[3\]"):
         load_surrogate(run, CFeD.Options(surrogate="digits", surrogate_classes=[3, 5]))
+
+
+def test_cfed_with_a_method_that_shares_no_weights_is_refused():
+    line = one_line_error(["train", "--plugins", f"{CFED},fedaval.plugins.fedweit:FedWeIT",
+                           "-o", "cfed.surrogate=imagefolder", "-o", "cfed.surrogate_root=tests/data/cifar10"])
+    assert "cfed distils into the global model" in line and "fedweit" in line and "clients" in line

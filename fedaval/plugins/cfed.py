@@ -104,6 +104,12 @@ class CFeD(Plugin):
     def fedaval_setup(self, run):
         import torch
 
+        if run.hook.fedaval_federation_model(run=run) == "clients":
+            others = [n for n in run.plugins.names if n not in ("cfed", "fedavg", "core")]
+            raise FedavalUsageError(
+                f"cfed distils into the global model, but the loaded plugins ({', '.join(others)}) make the "
+                "federation's model the clients' own; run cfed without them"
+            )
         self.surrogate = load_surrogate(run, self.options)
         self.shards = len(run.partition.clients) + 1
         if len(self.surrogate) < 2 * self.shards:
@@ -120,6 +126,17 @@ class CFeD(Plugin):
         return self.surrogate[index :: self.shards]
 
     # --- server -------------------------------------------------------------------
+    @hookimpl
+    def fedaval_server_task_start(self, run, task):
+        """CFeD distils into an averaged global model: refuse methods that share no weights
+        (those that say so at set-up are refused in ``fedaval_setup``, before any output)."""
+        if task == 0 and not run.server.shared_keys:
+            others = [n for n in run.plugins.names if n not in ("cfed", "fedavg", "core")]
+            raise FedavalUsageError(
+                f"cfed distils into the global model, but the loaded plugins ({', '.join(others) or 'none'}) "
+                "share no weights with the server; run cfed without them"
+            )
+
     @hookimpl
     def fedaval_server_download(self, run, client, download):
         """The client's role this round and, for a client that starts a task
