@@ -1,0 +1,300 @@
+"""CFeD: continual federated learning based on knowledge distillation (Ma,
+Xie, Ding, Wang, Zhang, IJCAI 2022). The maths is in
+:mod:`fedaval.plugins.cfed_math`; this module is the hook glue.
+
+What happens:
+
+* an unlabelled *surrogate* dataset (``cfed.surrogate``, a dataset fedaval
+  loads, with ``cfed.surrogate_root``) is loaded once, converted to the run's
+  input shape and normalised as the run's data (``fedaval_setup``); its
+  labels are never read;
+* from the second task on, the sampled clients of each round are divided at
+  random (CFeD's client division): a ``review_fraction`` of them *review*
+  old tasks, the rest *learn* the new task (``fedaval_server_download``
+  tells each client its role);
+* the old model is the global model at the end of the previous task (a
+  client takes it from the weights it receives in its first round of the
+  task; a client that joins the task later is sent it);
+* a learner's loss is the cross-entropy on its task data plus ``kd_weight``
+  times the distillation of the old model on a surrogate minibatch, over the
+  old classes (``cfed_kd``, the paper's L_KD, LwF on surrogate data); a
+  reviewer's is only that distillation (``cfed_review``: its cross-entropy
+  is zero, ``fedaval_client_criterion``), for as many steps as a learner;
+* the server averages the weights (FedAvg) and then distils the ensemble of
+  the uploaded client models (mean logits) on its surrogate data into the
+  global model, over every class the federation has seen
+  (``fedaval_server_fuse``; ``server_epochs=0`` turns it off).
+
+Readings and choices:
+
+* Surrogate data: any dataset fedaval loads, converted to the model's input
+  shape (grey <-> RGB, bilinear resize: ``to_input_shape``) and normalised
+  with the run's mean and std. It must not be the tasks' own data: the same
+  dataset (same name and root) is refused unless ``surrogate_classes`` are
+  all outside the classes of the run's tasks.
+* The pool (``surrogate_samples`` training images, drawn with the run's seed)
+  is cut into disjoint shards, one per client and one for the server (the
+  paper gives every client and the server its own surrogate data).
+* The split is redrawn every round from the run's seed and the round; at
+  least one sampled client learns (``reviewer_count``). In the first task
+  there is nothing to review: everyone learns, and the server still distils.
+* Distillation is Hinton's T^2-scaled KL at temperature ``temperature``; the
+  surrogate forward passes keep BatchNorm statistics frozen (real data's).
+* The paper's learning rates and epochs for the server distillation are not
+  ours to copy (other models and data): defaults are ours.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedaval import hookimpl
+from fedaval.errors import FedavalUsageError, choice_error
+from fedaval.options import non_negative, option, positive, unit_interval
+from fedaval.plugin import Plugin
+from fedaval.stash import StashKey
+
+TEACHER = StashKey[tuple]("cfed.teacher")  # (frozen old model, old classes) of the client's current task
+REVIEW = StashKey[bool]("cfed.review")  # this round the client reviews old tasks
+PENDING_TEACHER = StashKey[dict]("cfed.pending_teacher")  # old model's weights sent to a late joiner
+
+
+def _at_least_two(value: int) -> str | None:
+    return None if value >= 2 else "must be >= 2"
+
+
+class CFeD(Plugin):
+    """CFeD: clients learn or review (distillation on surrogate data); the server distils the client ensemble."""
+
+    name = "cfed"
+    description = "CFeD: surrogate-data distillation, clients split into learners and reviewers, server ensemble distillation"
+    loss_terms = ("cfed_kd", "cfed_review")
+
+    @dataclass
+    class Options:
+        surrogate: str = option("", "unlabelled surrogate dataset (a dataset name: digits, imagefolder, cifar10, ...)")
+        surrogate_root: str = option("", "data root of the surrogate dataset (when it needs one)")
+        surrogate_classes: list[int] = option([], "use only these classes of the surrogate dataset (empty: all)")
+        surrogate_samples: int = option(1000, "surrogate training images drawn (the pool shared out in shards)",
+                                        _at_least_two)
+        review_fraction: float = option(0.3, "fraction of a round's sampled clients that review old tasks",
+                                        unit_interval)
+        kd_weight: float = option(1.0, "weight of the learners' distillation term on surrogate data", non_negative)
+        temperature: float = option(2.0, "distillation temperature T", positive)
+        server_epochs: int = option(1, "epochs of server-side ensemble distillation per round (0: off)", non_negative)
+        server_lr: float = option(0.01, "learning rate of the server-side distillation", positive)
+        server_batch_size: int = option(64, "minibatch of the server-side distillation", _at_least_two)
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.surrogate = None  # [M, *input_shape], normalised; rebuilt in fedaval_setup, never checkpointed
+        self.shards = 0
+        self.teacher: dict | None = None  # server: the global model's state at the end of the last stage
+        self.split: tuple[int, list[int], list[int]] | None = None  # (round, learners, reviewers)
+        self.generator = None
+        self.server_loss: float | None = None
+
+    def state_dict(self):
+        return {k: v for k, v in super().state_dict().items() if k != "surrogate"}
+
+    # --- set-up -----------------------------------------------------------------
+    @hookimpl
+    def fedaval_setup(self, run):
+        import torch
+
+        if run.hook.fedaval_federation_model(run=run) == "clients":
+            others = [n for n in run.plugins.names if n not in ("cfed", "fedavg", "core")]
+            raise FedavalUsageError(
+                f"cfed distils into the global model, but the loaded plugins ({', '.join(others)}) make the "
+                "federation's model the clients' own; run cfed without them"
+            )
+        self.surrogate = load_surrogate(run, self.options)
+        self.shards = len(run.partition.clients) + 1
+        if len(self.surrogate) < 2 * self.shards:
+            raise FedavalUsageError(
+                f"cfed.surrogate={self.options.surrogate!r} gives {len(self.surrogate)} images, fewer than 2 for each "
+                f"of the {self.shards - 1} clients and the server; raise cfed.surrogate_samples or use more data"
+            )
+        if self.generator is None:
+            self.generator = torch.Generator().manual_seed(run.config.seed)
+
+    def shard(self, index: int):
+        """Client ``index``'s surrogate shard (``index = -1``: the server's)."""
+        index = self.shards - 1 if index < 0 else index
+        return self.surrogate[index :: self.shards]
+
+    # --- server -------------------------------------------------------------------
+    @hookimpl
+    def fedaval_server_task_start(self, run, task):
+        """CFeD distils into an averaged global model: refuse methods that share no weights
+        (those that say so at set-up are refused in ``fedaval_setup``, before any output)."""
+        if task == 0 and not run.server.shared_keys:
+            others = [n for n in run.plugins.names if n not in ("cfed", "fedavg", "core")]
+            raise FedavalUsageError(
+                f"cfed distils into the global model, but the loaded plugins ({', '.join(others) or 'none'}) "
+                "share no weights with the server; run cfed without them"
+            )
+
+    @hookimpl
+    def fedaval_server_download(self, run, client, download):
+        """The client's role this round and, for a client that starts a task
+        after its first round, the old model."""
+        import torch
+
+        if run.now.task == 0 or self.teacher is None:
+            return None
+        if self.split is None or self.split[0] != run.round:
+            from fedaval.plugins.cfed_math import split_clients
+
+            gen = torch.Generator().manual_seed(run.config.seed * 1_000_003 + run.round)
+            learners, reviewers = split_clients(run.schedule[run.round - 1], self.options.review_fraction, gen)
+            self.split = (run.round, learners, reviewers)
+        out = {"cfed_review": int(client.id in self.split[2])}
+        if run.now.task not in client.tasks_started and run.round != run.now.first_round:
+            out["cfed_teacher"] = self.teacher
+        return out
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        """Distil the ensemble of the uploaded client models into the global model."""
+        import torch
+
+        from fedaval.plugins.cfed_math import distil, ensemble_logits
+
+        with_weights = [u for u in uploads if u.get("weights")]
+        if self.options.server_epochs == 0 or not with_weights:
+            return None
+        x = self.shard(-1).to(run.device)
+        scratch = copy.deepcopy(run.server.model).eval()
+        logits = []
+        with torch.no_grad():
+            for u in with_weights:
+                scratch.load_state_dict(u.get("weights"), strict=False)
+                logits.append(scratch(x))
+        seen = sorted({c for t in range(run.now.task + 1) for c in run.federation_task_classes()[t]})
+        self.server_loss = distil(
+            run.server.model, x, ensemble_logits(logits), seen, self.options.temperature,
+            self.options.server_epochs, self.options.server_lr, self.options.server_batch_size, self.generator,
+        )
+        return None
+
+    @hookimpl
+    def fedaval_server_task_end(self, run, task):
+        self.teacher = {k: v.detach().clone() for k, v in run.server.model.state_dict().items()}
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        metrics = {}
+        if self.split is not None and self.split[0] == round:
+            metrics["cfed_reviewers"] = float(len(self.split[2]))
+        if self.server_loss is not None:
+            metrics["cfed_server_kd_loss"] = self.server_loss
+        return metrics
+
+    # --- client -------------------------------------------------------------------
+    @hookimpl
+    def fedaval_client_receive(self, run, client, download):
+        client.stash[REVIEW] = bool(download.get("cfed_review", 0))
+        if "cfed_teacher" in download:
+            client.stash[PENDING_TEACHER] = download["cfed_teacher"]
+
+    @hookimpl
+    def fedaval_client_task_start(self, run, client, task):
+        """The old model: what the client received in the task's first round
+        (the global model at the previous stage's end), or what was sent."""
+        pending = client.stash.pop(PENDING_TEACHER, None)
+        if task == 0:
+            client.stash.pop(TEACHER, None)
+            return
+        teacher = copy.deepcopy(client.model).eval()
+        if pending is not None:
+            teacher.load_state_dict(pending, strict=False)
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        old = sorted({c for t in range(task) for c in run.federation_task_classes()[t]})
+        client.stash[TEACHER] = (teacher, old)
+
+    @hookimpl
+    def fedaval_client_criterion(self, run, client, logits, y):
+        """A reviewer does not learn its task data this round: no cross-entropy."""
+        if client.stash.get(REVIEW) and client.stash.get(TEACHER) is not None:
+            return logits.sum() * 0.0
+        return None
+
+    @hookimpl
+    def fedaval_client_loss(self, run, client, batch):
+        import torch
+
+        from fedaval.plugins.cfed_math import batchnorm_frozen, distillation_loss
+
+        teacher = client.stash.get(TEACHER)
+        if teacher is None:
+            return None
+        review = bool(client.stash.get(REVIEW))
+        weight = 1.0 if review else self.options.kd_weight
+        if weight == 0:
+            return None
+        model, old = teacher
+        pool = self.shard(client.id)
+        pick = torch.randint(len(pool), (len(batch.x),))
+        xs = pool[pick].to(batch.x.device)
+        with torch.no_grad():
+            target = model(xs)
+        with batchnorm_frozen(client.model):
+            student = client.model(xs)
+        loss = distillation_loss(student, target, old, self.options.temperature)
+        return {"cfed_review" if review else "cfed_kd": weight * loss}
+
+
+def load_surrogate(run, options):
+    """The surrogate pool: ``surrogate_samples`` training images of the
+    surrogate dataset (of ``surrogate_classes``), in the run's input shape,
+    normalised as the run's data. One-line errors: none named, unknown,
+    missing root, or the run's own data."""
+    import torch
+
+    from fedaval.datasets import load_dataset
+    from fedaval.plugins.cfed_math import to_input_shape
+
+    name = options.surrogate
+    if not name:
+        raise FedavalUsageError(
+            "cfed needs an unlabelled surrogate dataset: -o cfed.surrogate=NAME (-o cfed.surrogate_root=PATH); "
+            f"datasets: {', '.join(sorted(run.datasets))}"
+        )
+    if name not in run.datasets:
+        raise choice_error("cfed.surrogate dataset", name, sorted(run.datasets))
+    root = Path(options.surrogate_root).expanduser() if options.surrogate_root else None
+    if root is not None and not root.exists():
+        raise FedavalUsageError(f"bad value cfed.surrogate_root={options.surrogate_root!r}: it does not exist")
+    try:
+        data = load_dataset(name, root, False, run.datasets)
+    except FedavalUsageError as exc:
+        raise FedavalUsageError(f"cfed.surrogate={name!r}: {exc}".replace("--data-root", "cfed.surrogate_root")) from None
+    classes = options.surrogate_classes or list(range(data.num_classes))
+    bad = [c for c in classes if not 0 <= c < data.num_classes]
+    if bad:
+        raise FedavalUsageError(
+            f"bad value cfed.surrogate_classes={bad}; {name!r} has classes 0..{data.num_classes - 1}"
+        )
+    run_root = Path(run.config.data_root).expanduser().resolve() if run.config.data_root else None
+    same = name == run.config.dataset and (root.resolve() if root else None) == run_root
+    if same:
+        used = {c for task in run.federation_task_classes() for c in task}
+        shared = sorted(set(classes) & used)
+        if shared:
+            raise FedavalUsageError(
+                f"cfed.surrogate={name!r} is the run's own dataset and shares classes {shared} with its tasks; "
+                "choose another dataset, or cfed.surrogate_classes outside the tasks' classes"
+            )
+    keep = torch.nonzero(torch.isin(data.train_y, torch.tensor(classes))).flatten()
+    gen = torch.Generator().manual_seed(run.config.seed)
+    keep = keep[torch.randperm(len(keep), generator=gen)[: options.surrogate_samples]]
+    images = data.train_x[keep]
+    images = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
+    x = to_input_shape(images, run.data.input_shape)
+    mean = torch.tensor(run.data.mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(run.data.std, dtype=torch.float32).view(1, -1, 1, 1)
+    return (x - mean) / std

@@ -1,0 +1,223 @@
+"""FedWeIT: federated continual learning with weighted inter-client transfer
+(Yoon, Jeong, Lee, Yang, Hwang, ICML 2021). The maths and the decomposed
+layers are in :mod:`fedaval.plugins.fedweit_math`; this module is the hook glue.
+
+What happens:
+
+* every ``nn.Linear`` and ``nn.Conv2d`` of the ``--model`` (feature extractor
+  and head) becomes a decomposed layer whose weight is Eq. (1),
+  ``theta = B * m + A + sum_j alpha_j A_j`` (``fedaval_make_model``);
+* when a client starts a task (``fedaval_client_task_start``) its mask m is
+  reset to ones, its task-adaptive A to zeros and its attention alpha to
+  ``1/K`` over the knowledge base it received for this task;
+* local loss (Eq. 2): cross-entropy + ``lambda_1 * sum(|m| + |A|)``
+  (``fedweit_sparsity``) + ``lambda_2 * sum over past tasks i of ||B * m^(i) +
+  R^(i) - theta^(i)||^2`` (``fedweit_retro``, from the client's second task);
+* every round the client uploads its sparse base (``fedweit_base``: the
+  base's rows of the ``base_fraction`` of output units with the largest
+  |m|, as (int32 unit indices, rows)); at the end of a task also its sparse
+  task-adaptive parameters (``fedweit_adaptive``: the ``adaptive_fraction``
+  of A's entries of largest magnitude, as (int32 flat indices, values));
+* the server averages the sparse bases entry by entry over the clients that
+  sent each entry (sample-weighted; ``fuse_sparse``), appends the uploaded
+  A's to its knowledge base, and sends each sampled client the base, plus, in
+  the client's first round of a task, up to ``kb_size`` of the latest A's of
+  *other* clients (``fedaval_server_download``: a per-client download, since
+  a client's own A's are left out).
+
+Readings and choices where the paper leaves room:
+
+* The paper's setting is task-incremental (a task id at test time selects
+  theta^(t) and a per-task head). fedaval's scenarios are class-incremental,
+  so a client predicts with its current task's theta over one head of all
+  classes; past tasks' parameters enter through the retroactive term only.
+* m is one real value per output unit, initialised at 1 and used as it is
+  (the official code passes it through a sigmoid); at the start of every
+  model the decomposed layer computes the plain layer's function.
+* The retroactive term keeps the past tasks' rest R^(i) = A^(i) + its
+  knowledge-base part frozen, so it is ``||Delta B * m^(i)||^2`` (the paper also
+  lets A^(i) move; we store them as they were at the task's end).
+* Only B is federated. Biases and BatchNorm parameters stay local (not
+  decomposed, not shared); ``fedaval_shared_keys`` is ``[]`` so that FedAvg's
+  dense ``"weights"`` upload is empty and the bytes counted are those of the
+  sparse payloads as sent (indices and values).
+* The server's base starts as its own model's base and every client loads it
+  in its first round, as under FedAvg. Sparse-base fusion averages each entry
+  over its senders (official code), so entries nobody sent keep their value.
+* FedWeIT has no global model: the federation's model is the clients'
+  (``fedaval_federation_model`` is ``"clients"``).
+* Memory per client: the model's decomposed weights times (3 + ``kb_size``)
+  (B, A, the knowledge-base buffer; m is per unit) plus two copies per
+  finished task (R^(i) and theta^(i)) for the retroactive term.
+* Defaults: lambda_1 = 1e-3 (the official code's ``lambda_l1``); lambda_2 = 1
+  (the official 100 is for Adam at lr 1e-3; with SGD lambda_2 * lr must stay
+  well below 1); fractions 0.5 and 0.3 and ``kb_size`` 3 are ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedaval import hookimpl
+from fedaval.options import non_negative, option
+from fedaval.plugin import Plugin
+from fedaval.stash import StashKey
+
+PAST = StashKey[dict]("fedweit.past")  # {layer: [(mask_i, rest_i, theta_i) per finished task]}
+PENDING_KB = StashKey[list]("fedweit.pending_kb")  # knowledge base received for the task about to start
+SEND_ADAPTIVE = StashKey[bool]("fedweit.send_adaptive")  # the task just ended: upload A this round
+
+
+def _fraction(value: float) -> str | None:
+    return None if 0 < value <= 1 else "must be in (0, 1]"
+
+
+class FedWeIT(Plugin):
+    """FedWeIT: decomposed weights, sparse base fusion, knowledge base of task-adaptive parameters."""
+
+    name = "fedweit"
+    description = "FedWeIT: B*m + A + attention over other clients' A; sparse base and A uploads; retroactive term"
+    loss_terms = ("fedweit_sparsity", "fedweit_retro")
+
+    @dataclass
+    class Options:
+        l1: float = option(1e-3, "lambda_1: weight of the L1 sparsity of masks and task-adaptive A (Eq. 2)", non_negative)
+        retro: float = option(1.0, "lambda_2: weight of the retroactive term on past tasks (Eq. 2)", non_negative)
+        base_fraction: float = option(0.5, "fraction of output units (largest |mask|) whose base is uploaded", _fraction)
+        adaptive_fraction: float = option(0.3, "fraction of A's entries (largest |A|) uploaded at a task's end", _fraction)
+        kb_size: int = option(3, "at most this many other clients' A's in a client's knowledge base", non_negative)
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.base: dict | None = None  # server: layer -> global base
+        self.kb: list = []  # server: (client id, task, {layer: sparse A}) in arrival order
+        self.shapes: dict = {}  # layer -> base shape
+
+    # --- set-up ---------------------------------------------------------------
+    @hookimpl
+    def fedaval_make_model(self, run, client_id):
+        from fedaval.models import build_model
+        from fedaval.plugins.fedweit_math import decompose
+
+        model = build_model(run.config.model, run.data.input_shape, run.num_classes, run.models)
+        return decompose(model, self.options.kb_size)
+
+    @hookimpl
+    def fedaval_shared_keys(self, run, model):
+        return []  # the base travels as sparse payloads (fedweit_base), not as FedAvg's dense weights
+
+    @hookimpl
+    def fedaval_federation_model(self, run):
+        return "clients"
+
+    @hookimpl
+    def fedaval_server_task_start(self, run, task):
+        from fedaval.plugins.fedweit_math import decomposed_layers
+
+        if self.base is None:
+            layers = decomposed_layers(run.server.model)
+            self.base = {name: layer.base.detach().clone() for name, layer in layers.items()}
+            self.shapes = {name: tuple(b.shape) for name, b in self.base.items()}
+
+    @hookimpl
+    def fedaval_server_download(self, run, client, download):
+        """The base (every round) and, when the client starts a task, the
+        knowledge base: the latest ``kb_size`` A's of other clients (sparse)."""
+        out = {"fedweit_base": self.base}
+        if run.now.task not in client.tasks_started and client.has_task(run.now.task) and self.options.kb_size > 0:
+            others = [entry for cid, _, entry in self.kb if cid != client.id]
+            out["fedweit_kb"] = others[-self.options.kb_size:]
+        return out
+
+    # --- client round -----------------------------------------------------------
+    @hookimpl
+    def fedaval_client_receive(self, run, client, download):
+        import torch
+
+        from fedaval.plugins.fedweit_math import decomposed_layers
+
+        base = download.get("fedweit_base")
+        if base:
+            with torch.no_grad():
+                for name, layer in decomposed_layers(client.model).items():
+                    layer.base.copy_(base[name])
+        if "fedweit_kb" in download:
+            client.stash[PENDING_KB] = download["fedweit_kb"]
+
+    @hookimpl
+    def fedaval_client_task_start(self, run, client, task):
+        from fedaval.plugins.fedweit_math import decomposed_layers, to_dense
+
+        kb = client.stash.pop(PENDING_KB, [])
+        for name, layer in decomposed_layers(client.model).items():
+            shape = layer.base.shape
+            layer.start_task([to_dense(entry[name], shape).to(layer.base.device) for entry in kb])
+
+    @hookimpl
+    def fedaval_client_loss(self, run, client, batch):
+        import torch
+
+        from fedaval.plugins.fedweit_math import decomposed_layers, retroactive_loss, sparsity_loss
+
+        layers = decomposed_layers(client.model)
+        terms = {}
+        if self.options.l1 > 0:
+            terms["fedweit_sparsity"] = self.options.l1 * sparsity_loss(
+                [m.mask for m in layers.values()], [m.adaptive for m in layers.values()]
+            )
+        past = client.stash.get(PAST)
+        if self.options.retro > 0 and past:
+            retro = torch.stack([retroactive_loss(layer.base, past[name]) for name, layer in layers.items()]).sum()
+            terms["fedweit_retro"] = self.options.retro * retro
+        return terms
+
+    @hookimpl
+    def fedaval_client_task_end(self, run, client, task):
+        """Store the task's mask, frozen rest and effective weight for the
+        retroactive term; the task's A goes up with this round's upload."""
+        import torch
+
+        from fedaval.plugins.fedweit_math import decomposed_layers
+
+        past = client.stash.setdefault(PAST, dict)
+        with torch.no_grad():
+            for name, layer in decomposed_layers(client.model).items():
+                theta = layer.weight().detach().clone()
+                rest = theta - layer.base * layer.mask.reshape(-1, *([1] * (layer.base.dim() - 1)))
+                past.setdefault(name, []).append((layer.mask.detach().clone(), rest, theta))
+        client.stash[SEND_ADAPTIVE] = True
+
+    # --- upload and fusion ------------------------------------------------------
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        from fedaval.plugins.fedweit_math import decomposed_layers, masked_base, top_fraction
+
+        layers = decomposed_layers(client.model)
+        out = {"fedweit_base": {n: masked_base(m.base, m.mask, self.options.base_fraction) for n, m in layers.items()}}
+        if client.stash.pop(SEND_ADAPTIVE, False):
+            out["fedweit_adaptive"] = {
+                n: top_fraction(m.adaptive, self.options.adaptive_fraction) for n, m in layers.items()
+            }
+        return out
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        from fedaval.plugins.fedweit_math import fuse_sparse, unit_entries
+
+        sent = [u for u in uploads if u.get("fedweit_base")]
+        if sent and self.base is not None:
+            weights = [max(u.num_samples, 1) for u in sent]
+            self.base = {
+                name: fuse_sparse(
+                    previous, [unit_entries(u.get("fedweit_base")[name], previous.shape) for u in sent], weights
+                )
+                for name, previous in self.base.items()
+            }
+        for u in uploads:
+            if u.get("fedweit_adaptive"):
+                self.kb.append((u.client_id, run.now.task, u.get("fedweit_adaptive")))
+        return None
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        return {"fedweit_kb_entries": len(self.kb)}
