@@ -408,8 +408,8 @@ class ResultsSchedule:
         return time.perf_counter() - self.last >= max(self.SECONDS, self.COST_FACTOR * self.cost)
 
     def write(self, run: Run, results: dict[str, Any]) -> None:
-        start = time.perf_counter()
         checkpoint.wait(run)  # results.json never gets ahead of a checkpoint that failed
+        start = time.perf_counter()
         atomic_write_json(run.out_dir / "results.json", results)
         self.last = time.perf_counter()
         self.cost = self.last - start
