@@ -14,7 +14,7 @@ since its last evaluation on its seen classes). The benchmark checks the work
 was the same: both final global models must agree (max |difference| printed).
 
 fedaval's side is `fedaval.api.run_training` (what `fedaval train` calls),
-with everything a run does by default: results.json after every round,
+with everything a run does by default: rounds.jsonl after every round, results.json on its schedule,
 TensorBoard events, a checkpoint after every round. Interpreter start-up and
 imports are not timed on either side; data loading is timed on both.
 

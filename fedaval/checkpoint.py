@@ -12,8 +12,10 @@ A checkpoint is the whole state of a run after a completed round, in one file
 * the run's random number generators (Python, NumPy, torch, the CUDA device);
 * results.json's content so far.
 
-Everything goes into one pickle, so an object shared by a plugin and a client
-is still shared after resuming. The run itself (configuration, dataset,
+The run's objects go into one pickle (so an object shared by a plugin and a
+client is still shared after resuming); the results, plain data, are pickled
+beside it without the run's references, so their cost stays that of plain
+``pickle``. The run itself (configuration, dataset,
 partition, schedule) is not stored: resuming rebuilds it from ``config.json``
 with the same seed, then loads the checkpoint over it. A checkpoint is
 therefore read by the fedaval version and plugins that wrote it; it is not an
@@ -22,12 +24,21 @@ archive format.
 Files are written to a temporary name, synced and renamed, so a kill at any
 moment leaves the previous complete checkpoint; the newest
 ``--keep-checkpoints`` are kept.
+
+During training (:func:`save_in_background`) the run's objects are pickled to
+bytes at the end of the round, as before, and the rest (pickling the results,
+writing, syncing, renaming, pruning) happens in a background thread while the
+next round trains; :func:`wait` joins it (before the next checkpoint, before
+results.json is rewritten, and when the run stops) and raises its error, if
+any (a full disk), there.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -40,7 +51,7 @@ from fedaval.errors import FedavalUsageError
 if TYPE_CHECKING:
     from fedaval.run import Run
 
-FORMAT = 1
+FORMAT = 2  # 1: one RunPickler pickle holding the results too (still read)
 FOLDER = "checkpoints"
 _NAME = re.compile(r"^round-(\d{6})\.ckpt$")
 
@@ -64,33 +75,83 @@ def is_due(run: Run, round: int) -> bool:
     return every > 0 and (round % every == 0 or round == run.total_rounds)
 
 
-def save(run: Run, results: dict[str, Any]) -> Path:
-    """Write the checkpoint of round ``run.round`` atomically; prune old ones."""
-    path = path_for(run.out_dir, run.round)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    content = {
-        "format": FORMAT,
-        "round": run.round,
-        "task": run.task,
+def snapshot(run: Run, results: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint of round ``run.round`` as plain data: the run's objects
+    already pickled (bytes, with the run's references), and a shallow copy of
+    ``results`` (its round and task records are never changed once added)."""
+    objects = {
         "clients": run.clients,
         "server": run.server,
         "plugins": {name: plugin_state(obj) for name, obj in run.plugins.objects.items()},
         "rng": rng_state(run.device),
-        "results": results,
     }
+    buffer = io.BytesIO()
+    state.dump(run, objects, buffer)
+    results = dict(results, rounds=list(results.get("rounds", [])), tasks=list(results.get("tasks", [])))
+    content = {"format": FORMAT, "round": run.round, "task": run.task, "state": buffer.getvalue(),
+               "results": results}
+    return path_for(run.out_dir, run.round), content
+
+
+def _write_snapshot(path: Path, content: dict[str, Any], keep: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as fh:
-        state.dump(run, content, fh)
-    for _, old in saved(run.out_dir)[run.config.keep_checkpoints:]:
+        pickle.dump(content, fh, protocol=state.PROTOCOL)
+    for _, old in saved(path.parent.parent)[keep:]:
         old.unlink(missing_ok=True)
+
+
+def save(run: Run, results: dict[str, Any]) -> Path:
+    """Write the checkpoint of round ``run.round`` atomically; prune old ones."""
+    wait(run)
+    path, content = snapshot(run, results)
+    _write_snapshot(path, content, run.config.keep_checkpoints)
     return path
+
+
+class _Writer(threading.Thread):
+    def __init__(self, path: Path, content: dict[str, Any], keep: int):
+        super().__init__(name=f"fedaval-checkpoint-{path.name}", daemon=True)
+        self.args = (path, content, keep)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            _write_snapshot(*self.args)
+        except BaseException as exc:  # noqa: BLE001 - raised in the main thread by wait()
+            self.error = exc
+
+
+def save_in_background(run: Run, results: dict[str, Any]) -> Path:
+    """:func:`save`, with the run's objects pickled now and the file written
+    by a background thread (:func:`wait` joins it)."""
+    wait(run)
+    path, content = snapshot(run, results)
+    writer = _Writer(path, content, run.config.keep_checkpoints)
+    run.checkpoint_writer = writer
+    writer.start()
+    return path
+
+
+def wait(run: Run) -> None:
+    """Join the checkpoint being written in the background, if any; raise its error."""
+    writer = getattr(run, "checkpoint_writer", None)
+    if writer is None:
+        return
+    writer.join()
+    run.checkpoint_writer = None
+    if writer.error is not None:
+        raise writer.error
 
 
 def restore(run: Run, path: Path) -> dict[str, Any]:
     """Load checkpoint ``path`` over a freshly built ``run``; return the results so far."""
     with open(path, "rb") as fh:
-        content = state.load(run, fh)
-    if not isinstance(content, dict) or content.get("format") != FORMAT:
-        raise FedavalUsageError(f"{path} is not a fedaval checkpoint of format {FORMAT}")
+        content = state.load(run, fh)  # format 2 holds no references: this is plain pickle.load
+    if not isinstance(content, dict) or content.get("format") not in (1, FORMAT):
+        raise FedavalUsageError(f"{path} is not a fedaval checkpoint of format 1 or {FORMAT}")
+    if content["format"] == FORMAT:
+        content = {**state.loads(run, content["state"]), **content}
     run.clients = content["clients"]
     run.server = content["server"]
     run.round = content["round"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -289,9 +290,14 @@ def train(
     results: dict[str, Any] | None = None,
     backend: Backend | None = None,
 ) -> dict[str, Any]:
-    """Run every task and round; after each round write results.json (if the
-    run has an output folder) and, on the ``--checkpoint-every`` schedule, a
-    checkpoint, so an interrupted run keeps what it finished and can resume.
+    """Run every task and round. With an output folder, after each round: its
+    record is appended to ``rounds.jsonl`` (:data:`ROUNDS_FILE`), a checkpoint
+    is taken on the ``--checkpoint-every`` schedule (written in the
+    background, :func:`fedaval.checkpoint.save_in_background`), and
+    results.json is rewritten on its own schedule (:class:`ResultsSchedule`:
+    after round 1, each stage's last round and the run's last round, and
+    otherwise once enough time has passed), so an interrupted run keeps what
+    it finished and can resume.
 
     results.json's ``status`` says how far the run got (:func:`set_status`):
     ``running`` while rounds remain, ``complete`` after the last one,
@@ -309,9 +315,13 @@ def train(
     results = new_results(run) if results is None else results
     set_status(run, results, "running")
     try:
+        if run.out_dir is not None:  # the rounds so far (a resumed run: those of its checkpoint)
+            _write(run, lambda: rewrite_rounds(run.out_dir, results["rounds"]))
         _train_rounds(run, results, on_round, backend or make_backend(run))
         set_status(run, results, "complete")
+        results["final"] = final_summary(results)
         if run.out_dir is not None:
+            _write(run, lambda: checkpoint.wait(run))
             _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
     except DiskFull:
         raise  # nothing more can be written; the last good files stay as they are
@@ -322,8 +332,93 @@ def train(
         _mark_stopped(run, results, "failed")
         raise
     finally:
-        run.hook.fedaval_teardown(run=run)
+        try:
+            _finish_writes(run)
+        finally:
+            run.hook.fedaval_teardown(run=run)
     return results
+
+
+def _finish_writes(run: Run) -> None:
+    """When the run stops: the background checkpoint written (its error, if
+    any, was raised already or is logged), TensorBoard's events flushed."""
+    try:
+        checkpoint.wait(run)
+    except OSError as exc:
+        logging.getLogger("fedaval").warning("the newest checkpoint could not be written (%s)", exc)
+    if run.tb_writer is not None:
+        run.tb_writer.flush()
+
+
+#: The per-round records, one JSON object per line, appended after each round.
+ROUNDS_FILE = "rounds.jsonl"
+
+
+def append_round(out_dir, record: dict[str, Any]) -> None:
+    """Append one round's record to ``rounds.jsonl`` (flushed, not synced: a
+    kill can leave at most an unfinished last line, which
+    :func:`read_rounds` skips and a resume rewrites)."""
+    with open(out_dir / ROUNDS_FILE, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def rewrite_rounds(out_dir, rounds: list[dict[str, Any]]) -> None:
+    """Replace ``rounds.jsonl`` by ``rounds`` (atomically): at the start of a
+    run, or of a resumed one, whose file may hold rounds after its checkpoint."""
+    from fedaval.atomic import atomic_file
+
+    with atomic_file(out_dir / ROUNDS_FILE, "w") as fh:
+        fh.writelines(json.dumps(record) + "\n" for record in rounds)
+
+
+def read_rounds(out_dir) -> list[dict[str, Any]]:
+    """The records of ``rounds.jsonl`` (an unfinished last line, left by a kill, is skipped)."""
+    from pathlib import Path
+
+    records = []
+    with open(Path(out_dir) / ROUNDS_FILE) as fh:
+        for line in fh:
+            if not line.endswith("\n"):
+                break
+            records.append(json.loads(line))
+    return records
+
+
+class ResultsSchedule:
+    """When results.json is rewritten during training: after round 1 (the
+    folder then holds a run), after each stage's last round, after the run's
+    last round, and otherwise when at least :attr:`SECONDS` have passed since
+    the last rewrite, and at least :attr:`COST_FACTOR` times as long as that
+    rewrite took (so rewriting a file that grows with the rounds costs at
+    most about 1/COST_FACTOR of the run's time). ``rounds.jsonl`` has every
+    round as soon as it is done; results.json is the summary, complete when
+    the run stops."""
+
+    SECONDS = 10.0
+    COST_FACTOR = 20.0
+
+    def __init__(self):
+        self.last = time.perf_counter()
+        self.cost = 0.0
+
+    def due(self, run: Run, record: dict[str, Any]) -> bool:
+        round = record["round"]
+        if round == 1 or record["task_end"] or round == run.total_rounds:
+            return True
+        return time.perf_counter() - self.last >= max(self.SECONDS, self.COST_FACTOR * self.cost)
+
+    def write(self, run: Run, results: dict[str, Any]) -> None:
+        checkpoint.wait(run)  # results.json never gets ahead of a checkpoint that failed
+        start = time.perf_counter()
+        atomic_write_json(run.out_dir / "results.json", results)
+        self.last = time.perf_counter()
+        self.cost = self.last - start
+
+
+def final_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """results.json's ``final`` block from its rounds and stages so far."""
+    matrix = [t["accuracy"] for t in results["tasks"]]
+    return summarise(results["rounds"], matrix, results.get("federation_model", "global"))
 
 
 def _train_rounds(
@@ -332,6 +427,7 @@ def _train_rounds(
     """The rounds :func:`train` has left to run, appended to ``results``."""
     matrix: list[list[float | None]] = [t["accuracy"] for t in results["tasks"]]
     done = len(results["rounds"])
+    schedule = ResultsSchedule()
     for task in range(run.num_tasks):
         rounds = [r for r in run.rounds_of_task(task) if r > done]
         if not rounds:
@@ -359,13 +455,17 @@ def _train_rounds(
                     "global_accuracy": record.get("global_accuracy"),
                     "mean_client_accuracy": record.get("mean_client_accuracy"),
                 })
-            results["final"] = summarise(results["rounds"], matrix, results.get("federation_model", "global"))
             set_status(run, results, "running" if round < run.total_rounds else "complete")
+            write_results = run.out_dir is not None and schedule.due(run, record)
+            if write_results or record["task_end"]:  # the summary is only read there (O(rounds), not every round)
+                results["final"] = final_summary(results)
             log_round(run, record, results["final"])
             if run.out_dir is not None:
+                _write(run, lambda: append_round(run.out_dir, record))
                 if checkpoint.is_due(run, round):
-                    _write(run, lambda: checkpoint.save(run, results))
-                _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
+                    _write(run, lambda: checkpoint.save_in_background(run, results))
+                if write_results:
+                    _write(run, lambda: schedule.write(run, results))
             if on_round is not None:
                 on_round(record)
 
@@ -381,8 +481,13 @@ def _mark_stopped(run: Run, results: dict[str, Any], state: str) -> None:
     written already (a folder whose first round never finished stays free for
     a new run). Best effort: a full disk keeps the last good file."""
     set_status(run, results, state)
+    results["final"] = final_summary(results)
     target = None if run.out_dir is None else run.out_dir / "results.json"
     if target is not None and target.exists():
+        try:
+            checkpoint.wait(run)
+        except OSError:
+            pass
         try:
             atomic_write_json(target, results)
         except OSError:
@@ -401,6 +506,10 @@ def _write(run: Run, write: Callable[[], Any]) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
+        try:
+            checkpoint.wait(run)  # the checkpoint being written in the background, if any
+        except OSError:
+            pass
         latest = checkpoint.saved(run.out_dir)
         kept = f"checkpoint of round {latest[0][0]}" if latest else "no checkpoint"
         raise DiskFull(
@@ -411,6 +520,7 @@ def _write(run: Run, write: Callable[[], Any]) -> None:
 
 
 def interrupted_message(run: Run, results: dict[str, Any]) -> str:
+    _finish_writes(run)
     done = len(results["rounds"])
     where = f"interrupted in round {done + 1} of {run.total_rounds} ({done} complete)"
     if run.out_dir is None:
@@ -438,6 +548,7 @@ def client_failed(run: Run, result: ClientRound, round: int) -> dict[str, Any]:
 def resume_hint(run: Run) -> str:
     if run.out_dir is None:
         return ""
+    _finish_writes(run)
     latest = checkpoint.saved(run.out_dir)
     if not latest:
         return "; no checkpoint was saved"
@@ -476,4 +587,4 @@ def log_round(run: Run, record: dict[str, Any], final: dict[str, Any] | None = N
         for name, value in values.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 writer.add_scalar(f"Fed/{plugin}/{name}", value, step)
-    writer.flush()
+    # no flush per round: the writer's thread flushes every few seconds (run_writer), and train() when the run stops

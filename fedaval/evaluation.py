@@ -47,6 +47,10 @@ class RoundTensorboardLogger(TensorboardLogger):
         super().log_single_metric(f"{name}/{self.owner_tag}", value, self.run.round)
 
 
+#: How often TensorBoard's events reach the file while a run trains.
+FLUSH_SECONDS = 10
+
+
 def run_writer(run: Run):
     """The run's ``SummaryWriter`` (created on first use, closed with the run)."""
     import weakref
@@ -54,8 +58,8 @@ def run_writer(run: Run):
     from torch.utils.tensorboard import SummaryWriter
 
     writer = run.tb_writer
-    if writer is None:
-        writer = run.tb_writer = SummaryWriter(str(run.out_dir / "tb"))
+    if writer is None:  # its thread flushes the events every FLUSH_SECONDS (and the run when it stops)
+        writer = run.tb_writer = SummaryWriter(str(run.out_dir / "tb"), flush_secs=FLUSH_SECONDS)
         weakref.finalize(run, SummaryWriter.close, writer)
     return writer
 
@@ -80,7 +84,11 @@ def client_accuracies(run: Run, round: int) -> dict[int, float | None]:
 
 
 def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:
-    """Accuracy, forgetting and BWT per experience and over the stream."""
+    """Accuracy, forgetting and BWT per experience and over the stream.
+
+    Only the last values are kept (``collect_all=False``): the history is in
+    results.json and TensorBoard, and a history kept in the evaluator would
+    make every checkpoint and offloaded client grow with the rounds done."""
     loggers = [RoundTensorboardLogger(run, owner_tag)] if run.out_dir is not None else []
     if loggers:
         run.loggers[owner_tag] = loggers[0]  # saved state refers to it by name (fedaval.state)
@@ -89,6 +97,7 @@ def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:
         forgetting_metrics(experience=True, stream=True),
         bwt_metrics(experience=True, stream=True),
         loggers=loggers,
+        collect_all=False,
         strict_checks=False,
     )
 

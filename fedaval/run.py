@@ -76,7 +76,8 @@ class Run:
     ``device``), ``use_device_path`` (``--data-path`` decided), and
     ``offload_folder`` (where ``--offload-clients disk`` writes when the run
     has no folder); ``on_client`` (a progress callback the API sets:
-    ``on_client(round, clients trained, clients sampled)``)."""
+    ``on_client(round, clients trained, clients sampled)``); ``checkpoint_writer``
+    (the thread writing the newest checkpoint, :func:`fedaval.checkpoint.wait`)."""
 
     config: RunConfig
     out_dir: Path | None
@@ -110,6 +111,7 @@ class Run:
         self.use_device_path: bool | None = None
         self.offload_folder: Path | None = None
         self.on_client: Any = None  # progress within a round: on_client(round, trained, sampled)
+        self.checkpoint_writer: Any = None  # the checkpoint being written in the background (fedaval.checkpoint)
 
     def model(self, client_id: int | None):
         """Client ``client_id``'s model (``None``: the server's), from ``fedaval_make_model``, split."""

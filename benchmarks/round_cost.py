@@ -1,0 +1,108 @@
+"""fedaval's fixed cost per round, and whether it grows with the rounds done.
+
+    python benchmarks/round_cost.py                        # digits, 5 tasks x 100 rounds = 500 rounds
+    python benchmarks/round_cost.py --rounds-per-task 200  # 1000 rounds
+
+The digits workload (3 clients, the MLP, FedAvg, fcil-sync with 5 tasks) with
+every default left on: results.json and the per-round records, TensorBoard
+events, a checkpoint on the default schedule, evaluation after every round.
+A round's *wall* time is measured from the end of the previous round (after
+its results and checkpoint were written) to the end of this one, so it holds
+everything the coordinator does for the round; its *fixed cost* is that wall
+time minus the seconds the clients spent in local training
+(``seconds_local``). Printed: the medians over rounds 6-15 ("round ~10") and
+over the last 10 rounds ("round ~N"), each with its breakdown (local training,
+fusion + evaluation inside ``run_round``, and what follows it: results,
+checkpoint, TensorBoard), then the fixed cost's median per 10% of the run, so
+growth is visible. Not a test: nothing is asserted. The machine's load
+(``os.getloadavg``) is printed before and after, since the machine may be
+shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds-per-task", type=int, default=100)
+    parser.add_argument("--tasks", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="default: the run's default")
+    parser.add_argument("--out", default=None, help="run folder (default: a temporary one)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from fedaval.api import check_settings
+    from fedaval.backends import make_backend
+    from fedaval.build import build_run
+    from fedaval.config import RunConfig
+    from fedaval.coordinator import train
+
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="fedaval-round-cost-") as tmp:
+        settings = dict(
+            plugins=["fedavg"], scenario="fcil-sync", scenario_options={"clients": args.clients, "tasks": args.tasks},
+            dataset="digits", model="mlp", rounds_per_task=args.rounds_per_task, device="cpu", seed=0,
+            out=args.out or str(Path(tmp) / "run"),
+        )
+        if args.checkpoint_every is not None:
+            settings["checkpoint_every"] = args.checkpoint_every
+        config = check_settings(RunConfig(**settings))
+        build_start = time.perf_counter()
+        run = build_run(config, out_dir=Path(config.out))
+        build_s = time.perf_counter() - build_start
+        walls: list[float] = []
+        records: list[dict] = []
+        last = [time.perf_counter()]
+
+        def on_round(record):
+            now = time.perf_counter()
+            walls.append(now - last[0])
+            records.append(record)
+            last[0] = now
+
+        start = time.perf_counter()
+        train(run, on_round=on_round, backend=make_backend(run))
+        total = time.perf_counter() - start
+        folder = Path(config.out)
+        sizes = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+    n = len(walls)
+    local = [r["seconds_local"] for r in records]
+    inside = [r["seconds"] - r["seconds_local"] for r in records]  # fusion, evaluation, offloading
+    after = [w - r["seconds"] for w, r in zip(walls, records)]  # results, checkpoint, TensorBoard
+    fixed = [w - s for w, s in zip(walls, local)]
+
+    def window(lo: int, hi: int) -> str:
+        med = lambda xs: 1000 * statistics.median(xs[lo:hi])  # noqa: E731
+        return (f"rounds {lo + 1}-{hi}: wall {med(walls):7.2f} ms  local training {med(local):6.2f} ms  "
+                f"fixed {med(fixed):7.2f} ms  (fusion+evaluation {med(inside):6.2f} ms, "
+                f"results+checkpoint+TensorBoard {med(after):6.2f} ms)")
+
+    print(f"digits, mlp, FedAvg, fcil-sync {args.clients} clients x {args.tasks} tasks x {args.rounds_per_task} "
+          f"rounds = {n} rounds; checkpoint_every={config.checkpoint_every}; torch threads {args.threads}")
+    print(f"build {build_s:.2f} s, training {total:.2f} s ({1000 * total / n:.2f} ms per round), "
+          f"files: {', '.join(f'{k} {v:,} B' for k, v in sorted(sizes.items()))}")
+    print("median per round, round ~10:  " + window(5, 15))
+    print(f"median per round, round ~{n}: " + window(n - 10, n))
+    tenth = max(n // 10, 1)
+    print("fixed cost per round, median per tenth of the run (ms): "
+          + " ".join(f"{1000 * statistics.median(fixed[i:i + tenth]):.1f}" for i in range(0, n - tenth + 1, tenth)))
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
