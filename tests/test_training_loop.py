@@ -151,7 +151,7 @@ def test_augmentation_reaches_training_and_is_the_same_on_both_data_paths(tiny_c
 def test_defaults_depend_on_the_dataset_and_given_values_win():
     digits = RunConfig(dataset="digits")
     digits.validate()
-    assert (digits.lr, digits.momentum, digits.local_epochs) == (0.1, 0.0, 2)
+    assert (digits.lr, digits.momentum, digits.local_epochs) == (0.05, 0.0, 2)
     cifar = RunConfig(dataset="cifar10")
     cifar.validate()
     assert (cifar.lr, cifar.momentum, cifar.local_epochs) == (0.01, 0.9, 1)

@@ -96,7 +96,7 @@ def cli() -> None:
               help="Local epochs per round. Default: 2 on digits, 1 elsewhere.")
 @click.option("--clients-per-round", default=0, show_default=True, type=int, help="Clients sampled per round (0: all).")
 @click.option("--batch-size", default=32, show_default=True, type=int, help="Minibatch size of local training.")
-@click.option("--lr", default=None, type=float, help="Local SGD learning rate. Default: 0.1 on digits, 0.01 elsewhere.")
+@click.option("--lr", default=None, type=float, help="Local SGD learning rate. Default: 0.05 on digits, 0.01 elsewhere.")
 @click.option("--momentum", default=None, type=float, help="Local SGD momentum. Default: 0 on digits, 0.9 elsewhere.")
 @click.option("--weight-decay", default=1e-4, show_default=True, type=float, help="SGD weight decay (L2), >= 0.")
 @click.option("--optimizer-state", default="reset", show_default=True,
