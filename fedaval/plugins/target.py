@@ -135,7 +135,7 @@ class Target(Plugin):
         if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             raise FedavalUsageError(
                 f"target needs a model with BatchNorm layers (its generator matches their statistics); "
-                f"--model {run.config.model} gives a {type(model.features).__name__} without any: use --model cnn or resnet18"
+                f"the model of --model {run.config.model} has none: use --model cnn or resnet18"
             )
 
     # --- client -----------------------------------------------------------------
