@@ -129,9 +129,11 @@ class Target(Plugin):
     # --- set-up ---------------------------------------------------------------
     @hookimpl
     def fedaval_setup(self, run):
+        import torch
         from torch import nn
 
-        model = run.model(None)
+        with torch.random.fork_rng(devices=[]):  # the run's models start as they would without TARGET
+            model = run.model(None)
         if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             raise FedavalUsageError(
                 f"target needs a model with BatchNorm layers (its generator matches their statistics); "
