@@ -152,3 +152,14 @@ def test_a_client_first_sampled_late_in_the_task_gets_the_teacher_weights():
     late = plugin.fedaval_server_download(run=run(False), client=SimpleNamespace(id=1), download={})
     assert set(late) == {SYNTHETIC_KEY, TEACHER_KEY}
     assert plugin.fedaval_server_download(run=run(False), client=SimpleNamespace(id=1), download={}) is None
+
+
+def test_scores_of_classes_not_reached_yet_are_masked():
+    plugin = Target()
+    model = SimpleNamespace(classifier=torch.nn.Linear(2, 4))
+    run = SimpleNamespace(task=0, federation_task_classes=lambda: [[0, 2], [1, 3]])
+    logits = plugin.fedaval_classify(run=run, client=None, model=model, features=torch.randn(5, 2), training=False)
+    assert (logits[:, [1, 3]] == -1e9).all() and (logits[:, [0, 2]] > -1e9).all()
+    run.task = 1
+    logits = plugin.fedaval_classify(run=run, client=None, model=model, features=torch.randn(5, 2), training=False)
+    assert (logits > -1e9).all()

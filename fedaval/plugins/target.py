@@ -56,6 +56,14 @@ Readings chosen where the paper is open:
 4. *BatchNorm is required*: ``L_bn`` needs BatchNorm layers; a model without
    any (``--model mlp``, the digits default) is refused with a one-line
    error at set-up: use ``--model cnn`` or ``resnet18``.
+5. *The head grows* (see ``fedaval_classify``): TARGET's network (PyCIL's)
+   adds output units as tasks come; fedaval's head has every class from
+   the start. The scores of classes the federation has not reached yet
+   (later stages) are masked out (``-1e9``) in training and evaluation, as
+   if their units did not exist. Without this the restricted
+   cross-entropy never pushes those random columns down and they win the
+   argmax: the global model scored 0.0 on the CIFAR-10 subset's first
+   task before the mask.
 
 Every scenario is supported: the server's stages are the task boundaries;
 in fcil-async and fcl-random a client's "current classes" are its own task's
@@ -99,6 +107,15 @@ class TargetOptions:
     lr_student: float = option(1e-2, "student SGD learning rate (adversarial term)", positive)
     bn_weight: float = option(1.0, "weight of the BatchNorm-statistics loss", non_negative)
     adv_weight: float = option(1.0, "weight of the adversarial (diversity) loss", non_negative)
+
+
+def torch_mask(logits, learned):
+    """True in the columns of ``logits`` whose class is not in ``learned``."""
+    import torch
+
+    mask = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
+    mask[torch.as_tensor(learned, dtype=torch.long, device=logits.device)] = False
+    return mask
 
 
 class Target(Plugin):
@@ -148,6 +165,14 @@ class Target(Plugin):
 
     def old_classes(self, run, task: int) -> list[int]:
         return sorted({c for t in range(task) for c in run.federation_task_classes()[t]})
+
+    @hookimpl
+    def fedaval_classify(self, run, client, model, features, training):
+        """Reading 5: the head has only the classes learned so far."""
+        logits = model.classifier(features)
+        learned = self.old_classes(run, run.task + 1)
+        mask = torch_mask(logits, learned)
+        return logits.masked_fill(mask, -1e9)
 
     @hookimpl
     def fedaval_client_criterion(self, run, client, logits, y):
