@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import one_line_error
 
 from fedaval import hookimpl
 from fedaval.api import run_training
 from fedaval.plugins.target import SYNTHETIC, SYNTHETIC_KEY, TEACHER, TEACHER_KEY, Target
 from fedaval.stash import StashKey
-from helpers import one_line_error
 
 RECORDER = StashKey("target-probe.recorder")
 

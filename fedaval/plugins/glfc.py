@@ -325,8 +325,6 @@ class GLFC(Plugin):
 
     @hookimpl
     def fedaval_server_fuse(self, run, uploads, round):
-        import torch
-
         from fedaval.plugins.glfc_math import invert_gradient, pick_best
 
         self.signals = [dict(u.get(SIGNAL_KEY), client=u.client_id) for u in uploads if u.get(SIGNAL_KEY)]
@@ -339,12 +337,12 @@ class GLFC(Plugin):
                 )
                 self.reconstructed.append((image.cpu(), int(c)))
         if not self.reconstructed:
-            return None
+            return
         self.accuracies.append(self.proxy_accuracy(run, run.server.model))
         if pick_best(self.accuracies) == len(self.accuracies) - 1:
             self.best_state = {k: v.detach().cpu().clone() for k, v in run.server.global_weights().items()}
             self.best_round = round
-        return None
+        return
 
     def proxy_accuracy(self, run, model) -> float:
         """Accuracy of ``model`` on every reconstructed image so far."""

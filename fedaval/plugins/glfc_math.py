@@ -6,12 +6,11 @@ checked against hand-computed values in ``tests/test_glfc_math.py``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 
 # ---------------------------------------------------------------------------
 # class-aware gradient compensation (GLFC Sec. 3.2, Eqs. 2-3)

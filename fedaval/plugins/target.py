@@ -266,6 +266,6 @@ class Target(Plugin):
         if not run.now.task_ends or not self.last_losses or self.synthetic_task != run.task + 1:
             return None
         return {
-            "target_synthetic_images": int(len(self.synthetic)),
+            "target_synthetic_images": len(self.synthetic),
             **{f"target_generator_{k}": v for k, v in self.last_losses.items()},
         }

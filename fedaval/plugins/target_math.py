@@ -6,7 +6,7 @@ checked against hand-computed values in ``tests/test_target_math.py``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
