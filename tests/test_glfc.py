@@ -1,0 +1,150 @@
+"""GLFC as a plugin: compensated CE with an exemplar memory, relation
+distillation from the proxy's pick, entropy detection at task boundaries,
+LeNet gradients up and the old model down, counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import one_line_error
+
+from fedaval import hookimpl
+from fedaval.api import run_training
+from fedaval.payload import payload_nbytes
+from fedaval.plugins.glfc import GLFC, MEMORY, TEACHER
+from fedaval.plugins.glfc_math import LeNet
+
+OPTIONS = {"inversion_steps": 3, "memory_per_class": 4}
+
+
+class Probe:
+    """The run, the labels reaching each client's loss per task, and the
+    global weights after every round."""
+
+    name = "glfc-probe"
+
+    def __init__(self):
+        self.labels: dict[tuple[int, int], set[int]] = {}
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    @hookimpl
+    def fedaval_setup(self, run):
+        self.run = run
+
+    @hookimpl
+    def fedaval_client_loss(self, run, client, batch):
+        self.labels.setdefault((client.id, client.task), set()).update(batch.y.tolist())
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        self.weights[round] = {k: v.clone() for k, v in run.server.global_weights().items()}
+
+
+class FirstRoundIsBest(GLFC):
+    """The proxy scores the stage's first model best."""
+
+    def proxy_accuracy(self, run, model):
+        return 1.0 if not self.accuracies else 0.0
+
+
+def glfc_run(tmp_path_factory, name, plugin):
+    from helpers import tiny_run_config
+
+    probe = Probe()
+    config = tiny_run_config(
+        tmp_path_factory.mktemp(name) / "run", plugins=[plugin], plugin_options={"glfc": dict(OPTIONS)},
+        lr=0.1, local_epochs=2,  # digits' defaults: the global model learns each task (its entropy falls)
+    )
+    return run_training(config, extra_plugins=[probe]), probe
+
+
+@pytest.fixture(scope="module")
+def glfc(tmp_path_factory):
+    return glfc_run(tmp_path_factory, "glfc", "fedaval.plugins.glfc:GLFC")
+
+
+def metrics(results, round):
+    return results["rounds"][round - 1]["plugin_metrics"]["glfc"]
+
+
+def test_entropy_detection_fires_at_the_task_boundary(glfc):
+    results, probe = glfc
+    clients = len(probe.run.clients)
+    assert metrics(results, 3)["glfc_detected_at_boundary"] == clients
+    assert all(metrics(results, r)["glfc_detected"] == 0 for r in (1, 2, 4))
+    assert metrics(results, 3)["glfc_mean_entropy_rise"] > 0.3
+    assert all(metrics(results, r)["glfc_mean_entropy_rise"] == 0 for r in (1, 2, 4))
+
+
+def test_bytes_up_include_one_lenet_gradient_per_new_class(glfc):
+    results, probe = glfc
+    run = probe.run
+    lenet_bytes = sum(p.numel() * 4 for p in LeNet(run.data.input_shape, run.num_classes).parameters())
+    up = {r["round"]: r["bytes_up"] for r in results["rounds"]}
+    for first, later in ((1, 2), (3, 4)):
+        task = first // 2
+        new = [held(run, c, task) for c in run.clients]  # fcil-sync: a task's classes are all new
+        assert up[first] - up[later] == sum(8 + n * (8 + lenet_bytes) for n in new)
+    assert metrics(results, 1)["glfc_reconstructed"] == sum(held(run, c, 0) for c in run.clients)
+
+
+def held(run, client, task):
+    """How many classes of its task ``task`` the client holds samples of."""
+    return len(set(run.data.train_y[client.tasks.indices[task]].tolist()))
+
+
+def test_bytes_down_include_the_lenet_once_and_the_old_model_once_per_task(glfc):
+    results, probe = glfc
+    run = probe.run
+    glfc_plugin = run.plugins.objects["glfc"]
+    down = {r["round"]: r["bytes_down"] for r in results["rounds"]}
+    clients = len(run.clients)
+    assert down[1] - down[2] == clients * (8 + payload_nbytes(glfc_plugin.lenet))
+    assert down[3] - down[4] == clients * (8 + payload_nbytes(glfc_plugin.old_state))
+
+
+def test_the_proxys_pick_is_the_teacher_of_the_relation_distillation(glfc):
+    results, probe = glfc
+    run, plugin = probe.run, probe.run.plugins.objects["glfc"]
+    picked = metrics(results, 2)["glfc_old_model_round"]
+    assert picked in (1, 2) and plugin.old_round == metrics(results, 4)["glfc_old_model_round"] in (3, 4)
+    for client in run.clients:
+        task, teacher = client.stash[TEACHER]
+        assert task == 1
+        state = teacher.state_dict()
+        assert all(torch.equal(state[k].cpu(), v.cpu()) for k, v in probe.weights[picked].items())
+    for record in results["rounds"]:
+        assert ("loss/glfc_relation" in record["losses"]) == (record["task"] >= 1)
+
+
+def test_another_pick_changes_the_teacher(tmp_path_factory):
+    results, probe = glfc_run(tmp_path_factory, "first", "test_glfc:FirstRoundIsBest")
+    assert metrics(results, 2)["glfc_old_model_round"] == 1
+    state = probe.run.clients[0].stash[TEACHER][1].state_dict()
+    assert all(torch.equal(state[k], v) for k, v in probe.weights[1].items())
+    assert not all(torch.equal(state[k], v) for k, v in probe.weights[2].items())
+
+
+def test_the_memory_brings_old_classes_into_task_1_and_the_criterion_compensates(glfc):
+    from fedaval.plugins.glfc_math import compensated_cross_entropy
+
+    _, probe = glfc
+    run, plugin = probe.run, probe.run.plugins.objects["glfc"]
+    for client in run.clients:
+        memory = client.stash[MEMORY]
+        counts = [
+            int((run.data.train_y[client.tasks.indices[t]] == c).sum()) for t in (0, 1) for c in client.tasks.classes[t]
+        ]
+        assert len(memory) == sum(min(4, n) for n in counts)  # 4 per class, all of a class with fewer
+        assert set(client.tasks.classes[0]) <= probe.labels[(client.id, 1)]
+    client = run.clients[0]
+    old, new = client.tasks.classes[0][0], client.tasks.classes[1][0]
+    logits, y = torch.randn(3, run.num_classes), torch.tensor([new, new, old])
+    got = plugin.fedaval_client_criterion(run=run, client=client, logits=logits, y=y)
+    assert got.item() == pytest.approx(compensated_cross_entropy(logits, y, torch.tensor([False, False, True])).item())
+
+
+def test_bad_teacher_option_is_a_one_line_error(tmp_path):
+    line = one_line_error(["train", "--plugins", "fedaval.plugins.glfc:GLFC", "-o", "glfc.teacher=worst",
+                           "--out", str(tmp_path / "r")])
+    assert "glfc.teacher" in line and "best|last" in line
