@@ -90,6 +90,7 @@ def snapshot(run: Run, results: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     results = dict(results, rounds=list(results.get("rounds", [])), tasks=list(results.get("tasks", [])))
     content = {"format": FORMAT, "round": run.round, "task": run.task, "state": buffer.getvalue(),
                "results": results}
+    assert run.out_dir is not None, "only a run with a folder is checkpointed"
     return path_for(run.out_dir, run.round), content
 
 
@@ -171,6 +172,7 @@ def restore_latest(run: Run) -> tuple[int, dict[str, Any]]:
     import logging
 
     errors = []
+    assert run.out_dir is not None, "only a run with a folder is checkpointed"
     for round, path in saved(run.out_dir):
         try:
             return round, restore(run, path)

@@ -115,6 +115,7 @@ def run_round(run: Run, round: int, backend: Backend | None = None) -> dict[str,
             continue
         for name, value in result.losses.items():
             losses.setdefault(name, []).append(value)
+        assert result.upload is not None, "a client round that did not fail has an upload"
         uploads.append(result.upload)
     if sampled and len(failed) == len(sampled):
         raise RunFailure(f"all {len(sampled)} sampled clients failed in round {round}; first: {failed[0]['reason']}")
@@ -320,9 +321,10 @@ def train(
         _train_rounds(run, results, on_round, backend or make_backend(run))
         set_status(run, results, "complete")
         results["final"] = final_summary(results)
-        if run.out_dir is not None:
+        out = run.out_dir
+        if out is not None:
             _write(run, lambda: checkpoint.wait(run))
-            _write(run, lambda: atomic_write_json(run.out_dir / "results.json", results))
+            _write(run, lambda: atomic_write_json(out / "results.json", results))
     except DiskFull:
         raise  # nothing more can be written; the last good files stay as they are
     except KeyboardInterrupt:
@@ -410,6 +412,7 @@ class ResultsSchedule:
     def write(self, run: Run, results: dict[str, Any]) -> None:
         checkpoint.wait(run)  # results.json never gets ahead of a checkpoint that failed
         start = time.perf_counter()
+        assert run.out_dir is not None, "only a run with a folder writes results.json"
         atomic_write_json(run.out_dir / "results.json", results)
         self.last = time.perf_counter()
         self.cost = self.last - start
@@ -425,7 +428,7 @@ def _train_rounds(
     run: Run, results: dict[str, Any], on_round: Callable[[dict[str, Any]], None] | None, backend: Backend
 ) -> None:
     """The rounds :func:`train` has left to run, appended to ``results``."""
-    matrix: list[list[float | None]] = [t["accuracy"] for t in results["tasks"]]
+    matrix: list[list[float | None] | None] = [t["accuracy"] for t in results["tasks"]]
     done = len(results["rounds"])
     schedule = ResultsSchedule()
     for task in range(run.num_tasks):
@@ -510,7 +513,7 @@ def _write(run: Run, write: Callable[[], Any]) -> None:
             checkpoint.wait(run)  # the checkpoint being written in the background, if any
         except OSError:
             pass
-        latest = checkpoint.saved(run.out_dir)
+        latest = checkpoint.saved(run.out_dir) if run.out_dir is not None else []
         kept = f"checkpoint of round {latest[0][0]}" if latest else "no checkpoint"
         raise DiskFull(
             f"no space left on the device of {run.out_dir} after round {run.round} ({exc.strerror}); "

@@ -38,6 +38,7 @@ class RoundTensorboardLogger(TensorboardLogger):
     def __init__(self, run: Run, owner_tag: str):
         self.run = run
         self.owner_tag = owner_tag
+        assert run.out_dir is not None, "only a run with a folder logs to TensorBoard"
         super().__init__(tb_log_dir=str(run.out_dir / "tb"))
 
     def _make_writer(self, tb_log_dir, filename_suffix):
@@ -58,6 +59,7 @@ def run_writer(run: Run):
     from torch.utils.tensorboard import SummaryWriter
 
     writer = run.tb_writer
+    assert run.out_dir is not None, "only a run with a folder logs to TensorBoard"
     if writer is None:  # its thread flushes the events every FLUSH_SECONDS (and the run when it stops)
         writer = run.tb_writer = SummaryWriter(str(run.out_dir / "tb"), flush_secs=FLUSH_SECONDS)
         weakref.finalize(run, SummaryWriter.close, writer)
@@ -178,9 +180,10 @@ def forgetting(matrix: list[list[float | None] | None]) -> float | None:
     last = rows[-1]
     drops = []
     for j in range(len(last) - 1):
-        earlier = [r[j] for r in rows[:-1] if j < len(r) and r[j] is not None]
-        if last[j] is not None and earlier:
-            drops.append(max(earlier) - last[j])
+        earlier = [v for r in rows[:-1] if j < len(r) and (v := r[j]) is not None]
+        final = last[j]
+        if final is not None and earlier:
+            drops.append(max(earlier) - final)
     return mean_or_none(drops)
 
 
@@ -193,11 +196,12 @@ def backward_transfer(matrix: list[list[float | None] | None]) -> float | None:
     if len(rows) < 2:
         return None
     last = rows[-1]
-    return mean_or_none(
-        last[j] - rows[j][j]
-        for j in range(min(len(last) - 1, len(rows) - 1))
-        if last[j] is not None and j < len(rows[j]) and rows[j][j] is not None
-    )
+    changes = []
+    for j in range(min(len(last) - 1, len(rows) - 1)):
+        final, then = last[j], rows[j][j] if j < len(rows[j]) else None
+        if final is not None and then is not None:
+            changes.append(final - then)
+    return mean_or_none(changes)
 
 
 def _mean_of(rounds: list[dict[str, Any]], key: str) -> float | None:

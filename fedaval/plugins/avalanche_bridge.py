@@ -224,7 +224,7 @@ def constructor_options(cls: type) -> type:
     """A dataclass of the keyword arguments of ``cls.__init__`` that a command
     line can set, with their defaults (``REQUIRED`` where there is none)."""
     fields = []
-    for name, parameter in inspect.signature(cls.__init__).parameters.items():
+    for name, parameter in inspect.signature(cls.__init__).parameters.items():  # type: ignore[misc]
         if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
         tp = option_type(parameter)

@@ -126,7 +126,10 @@ def prototype_gradient(lenet: nn.Module, x: torch.Tensor, label: int, create_gra
 
 def gradient_distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
     """``sum_j ||a_j - b_j||^2``: DLG's matching loss between two gradients."""
-    return sum(((x - y) ** 2).sum() for x, y in zip(a, b))
+    total = torch.zeros((), device=a[0].device) if len(a) else torch.zeros(())
+    for x, y in zip(a, b):
+        total = total + ((x - y) ** 2).sum()
+    return total
 
 
 def invert_gradient(

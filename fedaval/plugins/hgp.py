@@ -282,7 +282,8 @@ class HGP(Plugin):
         if not self.options.rebalance or not self.memory:
             return
         mixtures = {c: [by_client[k] for k in sorted(by_client)] for c, by_client in self.memory.items()}
-        x, y = balanced_synthetic_set(mixtures, self.options.synthetic_per_class, self.generator, self.options.jitter)
+        x, y = balanced_synthetic_set(mixtures,  # type: ignore[arg-type]  # memory holds ClassGaussian
+                                       self.options.synthetic_per_class, self.generator, self.options.jitter)
         self.last_loss = retrain_classifier(
             run.server.model.classifier, x, y, epochs=self.options.rebalance_epochs, lr=self.options.rebalance_lr,
             generator=self.generator,

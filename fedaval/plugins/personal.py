@@ -63,6 +63,7 @@ def resolve_phases(
             return None
         first = default_first(local_epochs)
     if first is None:
+        assert second is not None
         first = local_epochs - second
     if not 0 <= first <= local_epochs:
         given = f"{names[0]}={first}" if second is None else f"{names[1]}={second}"

@@ -78,7 +78,7 @@ def forward_with_bn_loss(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tenso
         for h in handles:
             h.remove()
     stats = [(*batch_statistics(inputs[k]), m.running_mean, m.running_var) for k, m in enumerate(layers)]
-    return out, bn_statistics_loss(stats)
+    return out, bn_statistics_loss(stats)  # type: ignore[arg-type]  # running_mean/var: Tensor buffers
 
 
 def adversarial_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
