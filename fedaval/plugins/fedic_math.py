@@ -1,0 +1,110 @@
+"""FEDIC's maths (Shang et al., ICME 2022, "FEDIC: Federated Learning on
+Non-IID and Long-Tailed Data via Calibrated Distillation"), plain functions
+on tensors. The hook glue is :mod:`fedaval.plugins.fedic`.
+
+No paper file is in the repository: the steps are named after the paper's
+description (ensemble of client models, logit-adjustment calibration with a
+calibration gating network, distillation with temperature), not by equation
+number.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def class_prior(counts: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """The class distribution ``pi`` behind the logit adjustment, from class
+    sample counts with additive smoothing: ``(n_c + a) / (sum_c n_c + a K)``
+    (``a = smoothing``; a class nobody holds gets a small, finite prior)."""
+    counts = counts.to(torch.float64)
+    return ((counts + smoothing) / (counts.sum() + smoothing * counts.numel())).to(torch.float32)
+
+
+def logit_adjust(logits: torch.Tensor, prior: torch.Tensor, tau: float) -> torch.Tensor:
+    """Post-hoc logit adjustment (Menon et al. 2021), FEDIC's calibration:
+    ``z_c - tau * log(pi_c)``: classes frequent in training lose score, rare
+    ones gain, so the argmax targets the balanced error."""
+    return logits - tau * torch.log(prior.to(logits.device, logits.dtype))
+
+
+def ensemble_logits(client_logits: torch.Tensor) -> torch.Tensor:
+    """The ensemble of the client models: the mean of their logits
+    ``[M, N, K] -> [N, K]`` (reading: unweighted mean over the round's
+    clients)."""
+    return client_logits.mean(dim=0)
+
+
+def calibrated_logits(ensemble: torch.Tensor, prior: torch.Tensor, tau: float, gate: torch.Tensor) -> torch.Tensor:
+    """The calibrated teacher: ``(1 - g) z + g LA(z) = z - g tau log(pi)``
+    per sample, ``gate`` g in [0, 1] (``[N]``) from the calibration gating
+    network (g = 1: full logit adjustment; g = 0: the raw ensemble)."""
+    return ensemble - gate[:, None] * tau * torch.log(prior.to(ensemble.device, ensemble.dtype))
+
+
+def gate_values(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The calibration gating network: ``sigmoid(h(x) . w + b)`` per sample,
+    ``h(x)`` the global model's features (reading: a single linear unit)."""
+    return torch.sigmoid(features @ weight + bias)
+
+
+def train_gate(
+    features: torch.Tensor, ensemble: torch.Tensor, prior: torch.Tensor, labels: torch.Tensor, tau: float,
+    steps: int, lr: float,
+) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    """Fit the gate on the labelled, class-balanced proxy set: ``steps``
+    full-batch SGD steps (learning rate ``lr``) on the cross-entropy of the
+    calibrated teacher, from ``w = 0, b = 0`` (g = 1/2 everywhere). Returns
+    ``(w, b, losses)`` with the loss before each step and after the last."""
+    features, ensemble = features.detach(), ensemble.detach()
+    w = torch.zeros(features.shape[1], device=features.device, requires_grad=True)
+    b = torch.zeros((), device=features.device, requires_grad=True)
+    optimizer = torch.optim.SGD([w, b], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(calibrated_logits(ensemble, prior, tau, gate_values(features, w, b)), labels)
+        losses.append(float(loss.detach()))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        losses.append(float(F.cross_entropy(calibrated_logits(ensemble, prior, tau, gate_values(features, w, b)), labels)))
+    return w.detach(), b.detach(), losses
+
+
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``T^2 KL(softmax(teacher / T) || softmax(student / T))``, averaged over
+    the samples (Hinton et al.'s distillation with temperature T)."""
+    log_q = F.log_softmax(student / temperature, dim=-1)
+    p = F.softmax(teacher.detach() / temperature, dim=-1)
+    return F.kl_div(log_q, p, reduction="batchmean") * temperature**2
+
+
+def distil(
+    model: torch.nn.Module, x: torch.Tensor, teacher: torch.Tensor, temperature: float, steps: int, lr: float,
+    batch_size: int, generator: torch.Generator, forward=None,
+) -> list[float]:
+    """Distil ``teacher`` (logits on the unlabelled ``x``) into ``model``:
+    ``steps`` SGD steps (learning rate ``lr``) on :func:`distillation_loss`,
+    each on a minibatch of ``batch_size`` samples drawn from ``generator``.
+    ``forward(model, x)`` gives the student's logits (default ``model(x)``).
+    The model is trained in train mode and its modes are restored. Returns the
+    loss of each step."""
+    forward = forward or (lambda m, inputs: m(inputs))
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    try:
+        for _ in range(steps):
+            idx = torch.randperm(len(x), generator=generator)[:batch_size].to(x.device)
+            loss = distillation_loss(forward(model, x[idx]), teacher[idx], temperature)
+            losses.append(float(loss.detach()))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        for m, mode in modes:
+            m.train(mode)
+    return losses
