@@ -1,0 +1,111 @@
+"""FediCaRL's maths on plain tensors: iCaRL (Rebuffi, Kolesnikov, Sperl,
+Lampert, "iCaRL: Incremental Classifier and Representation Learning", CVPR
+2017; algorithm numbers are the paper's). No hooks here:
+:mod:`fedaval.plugins.ficarl` is the glue.
+
+Features are the model's ``features`` output; iCaRL works with them
+L2-normalised (Section 2.1: "phi(x) ... normalized"), so every function that
+compares features normalises them first (:func:`normalise`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def normalise(features: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to unit L2 norm (a zero row stays zero)."""
+    return F.normalize(features, dim=-1)
+
+
+def herding_order(features: torch.Tensor, count: int) -> torch.Tensor:
+    """iCaRL Algorithm 4 (ConstructExemplarSet): the first ``count`` samples
+    chosen by herding on the normalised features, in the order chosen:
+    ``p_k = argmin_x || mu - (phi(x) + sum_{j<k} phi(p_j)) / k ||`` with
+    ``mu`` the class mean, without repeats. The greedy loop is Avalanche's
+    :class:`~avalanche.training.storage_policy.HerdingSelectionStrategy`
+    (``make_sorted_indices_from_features``), called as it is. Returns int64
+    row indices; ``count`` larger than the rows keeps all rows."""
+    from avalanche.training.storage_policy import HerdingSelectionStrategy
+
+    if len(features) == 0 or count <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    # the greedy loop reads no attribute of the strategy (its constructor wants a model and a layer name)
+    herding = object.__new__(HerdingSelectionStrategy)
+    order = herding.make_sorted_indices_from_features(normalise(features).double())
+    return torch.as_tensor(order[:count], dtype=torch.long)
+
+
+def memory_quotas(memory_size: int, classes: list[int]) -> dict[int, int]:
+    """iCaRL's fixed memory K shared by the classes seen (Algorithm 2,
+    ``m = K / t``): ``{class: exemplars}``. K does not always divide evenly;
+    the remainder goes one each to the lowest class ids, as Avalanche's
+    class-balanced buffers do (``BalancedExemplarsBuffer.get_group_lengths``,
+    called here), so the quotas always sum to K."""
+    from avalanche.training.storage_policy import ClassBalancedBuffer
+
+    classes = sorted(classes)
+    if not classes:
+        return {}
+    lengths = ClassBalancedBuffer(max_size=memory_size).get_group_lengths(len(classes))
+    return dict(zip(classes, lengths))
+
+
+def exemplar_means(features: torch.Tensor, labels: torch.Tensor) -> dict[int, torch.Tensor]:
+    """iCaRL Algorithm 1: ``mu_y = normalise(1/|P_y| sum_{p in P_y} phi(p))``
+    with ``phi`` normalised, for every class in ``labels``."""
+    phi = normalise(features)
+    return {int(c): normalise(phi[labels == c].mean(0)) for c in torch.unique(labels)}
+
+
+def nme_scores(features: torch.Tensor, means: dict[int, torch.Tensor], num_classes: int) -> torch.Tensor:
+    """iCaRL Algorithm 1, nearest-mean-of-exemplars: ``[B, num_classes]``
+    scores ``-|| phi(x) - mu_y ||`` whose argmax is ``argmin_y || phi(x) -
+    mu_y ||``; classes without a mean score ``-inf``."""
+    from fedaval.prototypes import nearest_prototype_scores
+
+    return nearest_prototype_scores(normalise(features), means, num_classes)
+
+
+def taught_scores(logits: torch.Tensor, classes: list[int]) -> torch.Tensor:
+    """``logits`` with every column outside ``classes`` set to ``-inf``: a
+    linear head whose outputs are only those of the classes taught so far
+    (iCaRL's growing output layer). ``classes`` empty: ``logits`` unchanged."""
+    if not classes:
+        return logits
+    keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+    keep[torch.as_tensor(classes, device=logits.device)] = True
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _bce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``-sum [t log sigmoid(g) + (1 - t) log(1 - sigmoid(g))]`` over the
+    entries, divided by the number of rows (the minibatch mean of the
+    per-sample sum over classes)."""
+    return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum") / max(len(logits), 1)
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor, new_classes: list[int]) -> torch.Tensor:
+    """The classification half of iCaRL's loss (Algorithm 3, first sum):
+    ``-1/B sum_i sum_{y in new} [d_{y=y_i} log g_y(x_i) + d_{y!=y_i} log(1 - g_y(x_i))]``
+    with ``g = sigmoid(logits)``: one binary cross-entropy per output of the
+    ``new_classes`` (the client's seen classes that are not distilled).
+    Outputs of other classes take no part."""
+    if not new_classes:
+        return logits.sum() * 0.0
+    index = torch.as_tensor(new_classes, device=logits.device)
+    targets = (labels.unsqueeze(1) == index.unsqueeze(0)).to(logits.dtype)
+    return _bce_sum(logits[:, index], targets)
+
+
+def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, old_classes: list[int]) -> torch.Tensor:
+    """The distillation half of iCaRL's loss (Algorithm 3, second sum):
+    ``-1/B sum_i sum_{y in old} [q_i^y log g_y(x_i) + (1 - q_i^y) log(1 - g_y(x_i))]``
+    with ``q_i^y = sigmoid(teacher_logits)``, the previous model's output for
+    old class ``y`` (a constant target)."""
+    if not old_classes:
+        return logits.sum() * 0.0
+    index = torch.as_tensor(old_classes, device=logits.device)
+    targets = torch.sigmoid(teacher_logits[:, index]).detach()
+    return _bce_sum(logits[:, index], targets)
