@@ -28,6 +28,7 @@ from fedaval.evaluation import (
     summarise,
 )
 from fedaval.payload import Upload, payload_nbytes
+from fedaval.privacy import privacy_results
 from fedaval.run import Run
 
 
@@ -360,6 +361,9 @@ def _train_rounds(
                     "mean_client_accuracy": record.get("mean_client_accuracy"),
                 })
             results["final"] = summarise(results["rounds"], matrix, results.get("federation_model", "global"))
+            privacy = privacy_results(run)
+            if privacy is not None:
+                results["privacy"] = privacy
             set_status(run, results, "running" if round < run.total_rounds else "complete")
             log_round(run, record, results["final"])
             if run.out_dir is not None:
