@@ -88,13 +88,15 @@ def test_impossible_options_are_one_line_errors(key, value, message):
 
 
 class UploadNorms:
-    """Records the norm of each client's weight update as the server receives it."""
+    """Records the norm of each client's upload as the server receives it:
+    weight update and FedProK's prototypes together."""
 
     name = "upload_norms"
 
     def __init__(self):
         self.norms = []
         self.sent = {}
+        self.with_prototypes = 0
 
     @hookimpl
     def fedaval_server_download(self, run, client, download):
@@ -105,23 +107,26 @@ class UploadNorms:
         params = {n for n, _ in run.server.model.named_parameters()}
         for u in uploads:
             w = u.get("weights")
-            self.norms.append(global_norm([w[k] - self.sent[k] for k in w if k in params]))
+            protos = list((u.get("fedprok_prototypes") or {}).values())
+            self.norms.append(global_norm([w[k] - self.sent[k] for k in w if k in params] + protos))
+            self.with_prototypes += bool(protos)
 
 
-def test_a_digits_run_clips_uploads_adds_noise_and_accounts_epsilon(tiny_config, tmp_path):
+def test_a_fedprok_run_clips_uploads_adds_noise_and_accounts_epsilon(tiny_config, tmp_path):
     clip = 0.05
     norms = UploadNorms()
     clipped = run_training(
-        tiny_config(plugins=["fedavg", DP], plugin_options={"dp": {"clip": clip, "noise": 0}}, out=tmp_path / "a"),
+        tiny_config(plugins=["fedprok", DP], plugin_options={"dp": {"clip": clip, "noise": 0}}, out=tmp_path / "a"),
         extra_plugins=[norms],
     )
-    assert max(norms.norms) <= clip * (1 + 1e-5)
+    assert max(norms.norms) <= clip * (1 + 1e-5)  # weights update and prototypes clipped together
+    assert norms.with_prototypes == len(norms.norms) == 8
     assert clipped["privacy"]["dp"]["epsilon"] == math.inf  # no noise: no guarantee
     noisy = run_training(
-        tiny_config(plugins=["fedavg", DP], plugin_options={"dp": {"clip": clip, "noise": 1.0}}, out=tmp_path / "b")
+        tiny_config(plugins=["fedprok", DP], plugin_options={"dp": {"clip": clip, "noise": 1.0}}, out=tmp_path / "b")
     )
     again = run_training(
-        tiny_config(plugins=["fedavg", DP], plugin_options={"dp": {"clip": clip, "noise": 1.0}}, out=tmp_path / "c")
+        tiny_config(plugins=["fedprok", DP], plugin_options={"dp": {"clip": clip, "noise": 1.0}}, out=tmp_path / "c")
     )
     acc = lambda r: [x["global_accuracy"] for x in r["rounds"]]  # noqa: E731
     assert acc(noisy) != acc(clipped)  # the noise takes effect

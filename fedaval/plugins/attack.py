@@ -222,7 +222,8 @@ def attack_upload(run, upload, received: dict, round: int, options: AttackOption
 
 
 def save_grids(run, round: int, client: int, kind: str, true, rec, options: AttackOptions) -> str | None:
-    """PNG under the grid folder and an image in TensorBoard; returns the PNG's path."""
+    """PNG under the grid folder and an image in TensorBoard; returns the PNG's
+    path (relative to the run folder when inside it)."""
     from fedaval.attack_math import save_grid
 
     name = f"round-{round:04d}-client-{client}-{kind.split(':')[0]}.png"
@@ -232,6 +233,8 @@ def save_grids(run, round: int, client: int, kind: str, true, rec, options: Atta
         folder.mkdir(parents=True, exist_ok=True)
         save_grid(true, rec, folder / name)
         path = str(folder / name)
+        if run.out_dir is not None and (folder / name).resolve().is_relative_to(Path(run.out_dir).resolve()):
+            path = str((folder / name).resolve().relative_to(Path(run.out_dir).resolve()))  # movable run folder
     if run.out_dir is not None:
         import torch
         from torchvision.utils import make_grid
