@@ -29,6 +29,7 @@ from fedaval.evaluation import (
     summarise,
 )
 from fedaval.payload import Upload, payload_nbytes
+from fedaval.privacy import privacy_results
 from fedaval.run import Run
 
 
@@ -458,6 +459,9 @@ def _train_rounds(
                     "global_accuracy": record.get("global_accuracy"),
                     "mean_client_accuracy": record.get("mean_client_accuracy"),
                 })
+            privacy = privacy_results(run)
+            if privacy is not None:
+                results["privacy"] = privacy
             set_status(run, results, "running" if round < run.total_rounds else "complete")
             write_results = run.out_dir is not None and schedule.due(run, record)
             if write_results or record["task_end"]:  # the summary is only read there (O(rounds), not every round)

@@ -226,6 +226,29 @@ def report(run_dirs, out_dir, no_figures, include_incomplete, paper) -> None:
     click.echo("wrote " + ", ".join(str(p) for p in result.files))
 
 
+@cli.command("attack")
+@click.argument("run_dir", metavar="RUN_DIR")
+@click.option("--round", "round_", required=True, type=int, help="The round whose uploads are attacked (1-based).")
+@click.option("--clients", default=None, metavar="K1,K2,...", help="Client ids to attack (default: every one sampled).")
+@click.option("--images", default=None, type=int, help="Images per weight upload / classes per prototype upload (1).")
+@click.option("--iterations", default=None, type=int, help="Optimisation steps per reconstruction (200).")
+def attack(run_dir, round_, clients, images, iterations) -> None:
+    """An honest-but-curious server reconstructs clients' images from their
+    round-R uploads (replayed from the checkpoint of round R-1); prints the
+    privacy block (MSE, PSNR, SSIM, FedProK's P) as JSON; grids go to
+    RUN_DIR/privacy/."""
+    import json
+
+    from fedaval.attack import attack_finished_run
+
+    try:
+        ids = [int(k) for k in clients.split(",") if k.strip()] if clients else None
+    except ValueError:
+        raise FedavalUsageError(f"bad value --clients {clients!r}; expected comma-separated client ids") from None
+    block = attack_finished_run(run_dir, round_, ids, images=images, iterations=iterations)
+    click.echo(json.dumps(block, indent=2))
+
+
 def main() -> None:
     cli(prog_name="fedaval")
 

@@ -1,0 +1,83 @@
+"""docs/privacy.md's table: FedAvg, FedProK and PFCL on a CIFAR-10 subset,
+without DP and with the dp plugin at two noise multipliers, each attacked by
+the attack plugin (honest-but-curious server). Small on purpose (CPU).
+
+    PYTHONPATH=. [METHODS=fedavg,pfcl] python benchmarks/privacy_table.py OUT_DIR [train_per_class test_per_class]
+
+Writes OUT_DIR/<method>-<dp>/ runs and prints a Markdown table."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cifar_data import cifar_subset  # noqa: E402
+
+METHODS = ["fedavg", "fedprok", "pfcl"]
+NOISE = [None, 0.1, 1.0]  # None: no dp plugin
+CLIP = 1.0
+
+
+def settings(root: Path, method: str, noise, out: Path) -> dict:
+    # import paths: work before the entry points "dp" and "attack" are installed
+    plugins = [method] + (["fedaval.plugins.dp:DP"] if noise is not None else []) + ["fedaval.plugins.attack:Attack"]
+    # one attack, on the last round (4), of one sampled client: the CPU budget
+    options = {"attack": {"every": 4, "clients": 1, "iterations": 100, "images": 1}}
+    if noise is not None:
+        options["dp"] = {"clip": CLIP, "noise": noise}
+    return dict(
+        plugins=plugins, plugin_options=options, dataset="imagefolder", data_root=str(root),
+        scenario="fcil-sync", scenario_options={"clients": 2, "tasks": 2}, rounds_per_task=2,
+        local_epochs=1, batch_size=32, device="cpu", seed=0, out=str(out),
+    )
+
+
+def row(results: dict, method: str, noise) -> str:
+    from fedaval.config import RunConfig  # noqa: F401
+
+    rounds = results["rounds"]
+    acc = rounds[-1]["global_accuracy"]
+    acc = rounds[-1]["mean_client_accuracy"] if acc is None else acc
+    mean = results["privacy"]["attack"]["mean"]
+    eps = results["privacy"].get("dp", {}).get("epsilon")
+    cells = []
+    for kind in ("weights", "prototypes"):
+        m = mean.get(kind)
+        cells.append("-" if m is None else f"{1e3 * m['p']:.1f} / {m['psnr']:.1f}")
+    dp = "none" if noise is None else f"z={noise}, C={CLIP}"
+    return f"| {method} | {dp} | {'-' if eps is None else f'{eps:.3g}'} | {cells[0]} | {cells[1]} | {100 * acc:.1f} |"
+
+
+def main() -> None:
+    import torch
+
+    from fedaval.api import run_training
+
+    torch.set_num_threads(2)
+    out = Path(sys.argv[1])
+    train, test = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else (50, 10)
+    root = cifar_subset(train, test)
+    lines = [
+        "| method | DP | epsilon (delta 1e-5) | weights attack: P x1e-3 / PSNR dB | prototype attack: P x1e-3 / PSNR dB | accuracy % |",
+        "|---|---|---|---|---|---|",
+    ]
+    import os
+
+    methods = os.environ.get("METHODS", ",".join(METHODS)).split(",")  # split the work over processes
+    for method in methods:
+        for noise in NOISE:
+            run_dir = out / f"{method}-{'nodp' if noise is None else f'z{noise}'}"
+            if (run_dir / "results.json").exists():
+                results = json.loads((run_dir / "results.json").read_text())
+            else:
+                results = run_training(settings(root, method, noise, run_dir))
+            lines.append(row(results, method, noise))
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

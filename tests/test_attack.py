@@ -1,0 +1,82 @@
+"""The attack plugin during training, and ``fedaval attack`` on a finished
+run: the attack measures without changing the run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("breaching")
+
+from helpers import strip_timing  # noqa: E402
+
+from fedaval.api import run_training  # noqa: E402
+
+ATTACK = "fedaval.plugins.attack:Attack"
+DP = "fedaval.plugins.dp:DP"
+FAST = {"iterations": "20", "every": "2"}
+
+
+def comparable(results):
+    """results.json without what naming the attack plugin changes."""
+    out = strip_timing(results)
+    for key in ("privacy", "plugins", "config"):
+        out.pop(key, None)
+    return out
+
+
+def test_attacking_during_training_changes_no_training_result(tiny_config, tmp_path):
+    plain = run_training(tiny_config(plugins=["fedprok"], out=tmp_path / "plain"))
+    attacked = run_training(
+        tiny_config(plugins=["fedprok", ATTACK], plugin_options={"attack": FAST}, out=tmp_path / "attacked")
+    )
+    assert comparable(attacked) == comparable(plain)
+    assert "privacy" not in plain
+    block = attacked["privacy"]["attack"]
+    # rounds 2 and 4, one client each, a weights attack and a prototype attack per upload
+    assert sorted({(a["round"], a["kind"]) for a in block["attacks"]}) == [
+        (2, "prototypes"), (2, "weights"), (4, "prototypes"), (4, "weights")
+    ]
+    for a in block["attacks"]:
+        assert a["p"] == pytest.approx(1 - 1 / (1 + a["mse"]))
+        assert (tmp_path / "attacked" / "privacy" / a["grid"].split("/")[-1]).is_file()
+    assert set(block["mean"]) == {"weights", "prototypes"}
+    events = list((tmp_path / "attacked" / "tb").glob("events.*"))
+    assert events and max(e.stat().st_size for e in events) > 0
+
+
+def test_dp_and_attack_compose_and_dp_noise_is_seen_by_the_attacker(tiny_config, tmp_path):
+    results = run_training(
+        tiny_config(
+            plugins=["fedavg", DP, ATTACK],
+            plugin_options={"attack": FAST, "dp": {"clip": "0.1", "noise": "1.0"}},
+            out=tmp_path / "dp",
+        )
+    )
+    assert results["privacy"]["dp"]["epsilon"] > 0
+    assert [a["kind"] for a in results["privacy"]["attack"]["attacks"]] == ["weights", "weights"]
+
+
+def test_fedaval_attack_replays_a_round_of_a_finished_run(tiny_config, tmp_path):
+    from click.testing import CliRunner
+
+    from fedaval.cli import cli
+
+    out = tmp_path / "live"
+    live = run_training(
+        tiny_config(plugins=["fedprok", ATTACK], plugin_options={"attack": {**FAST, "ids": "1"}}, out=out,
+                    keep_checkpoints=10)
+    )
+    before = (out / "results.json").read_text()
+    res = CliRunner().invoke(cli, ["attack", str(out), "--round", "2", "--clients", "1", "--iterations", "20"])
+    assert res.exit_code == 0, res.output
+    block = json.loads(res.stdout)
+    # the replay sees exactly the uploads of the run: same numbers as attacking live
+    live_round2 = [a for a in live["privacy"]["attack"]["attacks"] if a["round"] == 2]
+    assert [(a["kind"], a["client"]) for a in block["attack"]["attacks"]] == [("weights", 1), ("prototypes", 1)]
+    for a, b in zip(block["attack"]["attacks"], live_round2):
+        assert a["mse"] == pytest.approx(b["mse"], rel=1e-5)
+    assert (out / "results.json").read_text() == before  # the run folder's results are untouched
+    bad = CliRunner().invoke(cli, ["attack", str(out), "--round", "9"])
+    assert bad.exit_code == 2 and "round" in bad.output

@@ -1,0 +1,137 @@
+"""Client-level differential privacy (``--plugins ...,dp``): clipping, the
+accountant against a hand-computed epsilon, noise taking effect, one-line
+errors for impossible options."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedaval import hookimpl
+from fedaval.api import run_training
+from fedaval.errors import FedavalUsageError
+from fedaval.options import build_options
+from fedaval.plugins.dp import DPOptions, privatise
+from fedaval.plugins.dp_math import clip_and_noise, epsilon, global_norm, sample_rate
+
+DP = "fedaval.plugins.dp:DP"
+
+
+def test_clipping_scales_the_whole_upload_to_the_clip_norm():
+    # v = (3, 4 | 12): ||v|| = 13; clip 2.6 = 13 / 5 -> v / 5 = (0.6, 0.8 | 2.4)
+    clipped, norm = clip_and_noise([torch.tensor([3.0, 4.0]), torch.tensor([[12.0]])], clip=2.6, noise_multiplier=0.0)
+    assert norm == pytest.approx(13.0)
+    assert torch.allclose(clipped[0], torch.tensor([0.6, 0.8]))
+    assert torch.allclose(clipped[1], torch.tensor([[2.4]]))
+    # below the clip norm nothing changes
+    same, _ = clip_and_noise([torch.tensor([3.0, 4.0])], clip=10.0, noise_multiplier=0.0)
+    assert torch.equal(same[0], torch.tensor([3.0, 4.0]))
+
+
+def test_noise_has_std_noise_multiplier_times_clip():
+    torch.manual_seed(0)
+    noisy, _ = clip_and_noise([torch.zeros(200_000)], clip=0.5, noise_multiplier=3.0)
+    assert noisy[0].std().item() == pytest.approx(1.5, rel=0.01)
+
+
+def test_privatise_clips_the_weight_update_and_prototypes_together():
+    """The upload of FedAvg + a prototype method: weights w = received + update;
+    update (3, 4) and prototype (12) form one vector of norm 13, clipped to 1.3."""
+    received = {"w": torch.tensor([1.0, 1.0]), "bn.running_mean": torch.tensor([0.0])}
+    results = [
+        {"weights": {"w": torch.tensor([4.0, 5.0]), "bn.running_mean": torch.tensor([7.0])}},
+        {"protos": {3: torch.tensor([12.0])}, "counts": {3: 5}},
+    ]
+    options = build_options(DPOptions, {"clip": "1.3", "noise": "0"}, "dp")
+    out = privatise(results, received, options, buffers={"bn.running_mean"})
+    assert torch.allclose(out[0]["weights"]["w"], torch.tensor([1.3, 1.4]))  # 1 + (0.3, 0.4)
+    assert torch.equal(out[0]["weights"]["bn.running_mean"], torch.tensor([7.0]))  # buffers=keep: unchanged
+    assert torch.allclose(out[1]["protos"][3], torch.tensor([1.2]))
+    assert out[1]["counts"] == {3: 5}  # integers pass unchanged
+    update = [out[0]["weights"]["w"] - received["w"], out[1]["protos"][3]]
+    assert global_norm(update) == pytest.approx(1.3)
+    dropped = privatise(results, received, build_options(DPOptions, {"buffers": "drop"}, "dp"), {"bn.running_mean"})
+    assert "bn.running_mean" not in dropped[0]["weights"]
+
+
+def test_epsilon_matches_the_hand_computed_rdp_bound():
+    """All clients every round (q = 1), z = 2, 10 rounds, delta = 1e-5.
+
+    The Gaussian mechanism's RDP at order a is a / (2 z^2) per round, so
+    10 a / 8 = 1.25 a after 10 rounds; Balle et al. 2020 (Thm. 21) turn it
+    into eps(a) = 1.25 a - (ln delta + ln a) / (a - 1) + ln((a - 1) / a).
+    On Opacus's grid of orders the minimum is at a = 3.9:
+    4.875 + (11.5129 - 1.3610) / 2.9 - 0.2963 = 8.0794 (the continuous
+    optimum, a = 3.85, gives 8.0784)."""
+    a = 3.9
+    by_hand = 1.25 * a - (math.log(1e-5) + math.log(a)) / (a - 1) + math.log((a - 1) / a)
+    assert by_hand == pytest.approx(8.0794, abs=1e-4)
+    assert epsilon([(2.0, 1.0, 10)], 1e-5) == pytest.approx(by_hand, abs=1e-9)
+    # q = 1, z = 1, 10 rounds: 5 a - ...; minimum at a = 2.5 -> 19.0536
+    assert epsilon([(1.0, 1.0, 10)], 1e-5) == pytest.approx(19.0536, abs=1e-4)
+    assert epsilon([(0.0, 1.0, 1)], 1e-5) == math.inf
+    assert sample_rate(0, 10) == 1.0 and sample_rate(3, 10) == 0.3
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [("clip", "0", "bad value dp.clip=0.0; must be > 0"),
+     ("noise", "-1", "bad value dp.noise=-1.0; must be >= 0"),
+     ("delta", "1", "bad value dp.delta=1.0; must be in (0, 1)"),
+     ("delta", "0", "bad value dp.delta=0.0; must be in (0, 1)")],
+)
+def test_impossible_options_are_one_line_errors(key, value, message):
+    with pytest.raises(FedavalUsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_options(DPOptions, {key: value}, "dp")
+
+
+class UploadNorms:
+    """Records the norm of each client's upload as the server receives it:
+    weight update and FedProK's prototypes together."""
+
+    name = "upload_norms"
+
+    def __init__(self):
+        self.norms = []
+        self.sent = {}
+        self.with_prototypes = 0
+
+    @hookimpl
+    def fedaval_server_download(self, run, client, download):
+        self.sent = {k: v.clone() for k, v in download["weights"].items()}
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        params = {n for n, _ in run.server.model.named_parameters()}
+        for u in uploads:
+            w = u.get("weights")
+            protos = list((u.get("fedprok_prototypes") or {}).values())
+            self.norms.append(global_norm([w[k] - self.sent[k] for k in w if k in params] + protos))
+            self.with_prototypes += bool(protos)
+
+
+def test_a_fedprok_run_clips_uploads_adds_noise_and_accounts_epsilon(tiny_config, tmp_path):
+    clip = 0.05
+    norms = UploadNorms()
+    clipped = run_training(
+        tiny_config(plugins=["fedprok", DP], plugin_options={"dp": {"clip": clip, "noise": 0}}, out=tmp_path / "a"),
+        extra_plugins=[norms],
+    )
+    assert max(norms.norms) <= clip * (1 + 1e-5)  # weights update and prototypes clipped together
+    assert norms.with_prototypes == len(norms.norms) == 8
+    assert clipped["privacy"]["dp"]["epsilon"] == math.inf  # no noise: no guarantee
+    noisy = run_training(
+        tiny_config(plugins=["fedprok", DP], plugin_options={"dp": {"clip": clip, "noise": 1.0}}, out=tmp_path / "b")
+    )
+    again = run_training(
+        tiny_config(plugins=["fedprok", DP], plugin_options={"dp": {"clip": clip, "noise": 1.0}}, out=tmp_path / "c")
+    )
+    acc = lambda r: [x["global_accuracy"] for x in r["rounds"]]  # noqa: E731
+    assert acc(noisy) != acc(clipped)  # the noise takes effect
+    assert acc(noisy) == acc(again)  # drawn from the clients' own streams: reproducible
+    eps = noisy["privacy"]["dp"]["epsilon_by_round"]
+    assert len(eps) == 4 and all(a < b for a, b in zip(eps, eps[1:]))  # grows with rounds
+    assert eps[-1] == pytest.approx(epsilon([(1.0, 1.0, 4)], 1e-5))
+    assert [r["plugin_metrics"]["dp"]["epsilon"] for r in noisy["rounds"]] == eps
