@@ -37,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -65,8 +65,11 @@ def close(a, b) -> bool:
 def comparable(results):
     """results.json without timings, the run folder and the backend's options."""
     if isinstance(results, dict):
-        return {k: comparable(v) for k, v in results.items()
-                if not k.startswith("seconds") and k not in ("out", "backend", "client_gpus", "ray_address")}
+        return {
+            k: comparable(v)
+            for k, v in results.items()
+            if not k.startswith("seconds") and k not in ("out", "backend", "client_gpus", "ray_address")
+        }
     if isinstance(results, list):
         return [comparable(v) for v in results]
     return results
@@ -82,10 +85,22 @@ def one_run(args, root: Path, backend: str, threads: int, clients_per_round: int
 
     torch.set_num_threads(threads)
     config = RunConfig(
-        dataset="imagefolder", data_root=str(root), model="cnn", scenario="fcil-sync",
-        scenario_options={"clients": args.clients, "tasks": args.tasks}, rounds_per_task=args.rounds_per_task,
-        local_epochs=args.local_epochs, clients_per_round=clients_per_round, batch_size=args.batch_size,
-        lr=args.lr, momentum=0.0, eval_every=10**6, device="cpu", seed=args.seed, backend=backend, out=str(folder),
+        dataset="imagefolder",
+        data_root=str(root),
+        model="cnn",
+        scenario="fcil-sync",
+        scenario_options={"clients": args.clients, "tasks": args.tasks},
+        rounds_per_task=args.rounds_per_task,
+        local_epochs=args.local_epochs,
+        clients_per_round=clients_per_round,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=0.0,
+        eval_every=10**6,
+        device="cpu",
+        seed=args.seed,
+        backend=backend,
+        out=str(folder),
     )
     start = time.perf_counter()
     run = build_run(config, out_dir=folder)
@@ -125,8 +140,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray instance and threads of 'local, N threads'")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each set-up, interleaved; the best median counts")
+    parser.add_argument(
+        "--cpus",
+        type=int,
+        default=os.cpu_count(),
+        help="CPUs of the local Ray instance and threads of 'local, N threads'",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs of each set-up, interleaved; the best median counts"
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "backends.md"))
     args = parser.parse_args(argv)
     given = sys.argv[1:] if argv is None else list(argv)
@@ -140,8 +162,11 @@ def main(argv=None) -> int:
     runs_dir = Path(tempfile.mkdtemp(prefix="backends-bench-"))
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     default_threads = torch.get_num_threads()
-    setups = [("local, 1 thread", "local", 1), (f"local, {args.cpus} threads", "local", args.cpus),
-              ("ray", "ray", default_threads)]
+    setups = [
+        ("local, 1 thread", "local", 1),
+        (f"local, {args.cpus} threads", "local", args.cpus),
+        ("ray", "ray", default_threads),
+    ]
     measured: dict[tuple[int, str], list[dict]] = {}
     load_before = os.getloadavg()[0]
     try:
@@ -176,7 +201,7 @@ def main(argv=None) -> int:
         "# Wall time per round: in-process vs Ray backend (CPU)",
         "",
         f"Command: `python benchmarks/backends.py{' ' + ' '.join(given) if given else ''}`",
-        f"Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; machine: {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; machine: {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"no GPU; Ray {ray.__version__}, torch {torch.__version__}. The machine was shared with another "
         f"engineer's work while this ran (1-minute load average {load_before:.1f} at the start, {load_after:.1f} at "
         "the end), so absolute seconds are indicative; the ratios compare runs of one invocation.",
@@ -207,8 +232,8 @@ def main(argv=None) -> int:
             f"| {per_round} | {label} | {m['workers'] if is_ray else '-'} | {m['round']:.2f} | {spread} | "
             f"{m['clients']:.2f} | {m['local_per_client']:.2f} | {base['round'] / m['round']:.2f} | "
             f"{threaded['round'] / m['round']:.2f} | {m['first']:.2f} | {m['driver']:.3f} | "
-            if is_ray else
-            f"| {per_round} | {label} | - | {m['round']:.2f} | {spread} | {m['clients']:.2f} | "
+            if is_ray
+            else f"| {per_round} | {label} | - | {m['round']:.2f} | {spread} | {m['clients']:.2f} | "
             f"{m['local_per_client']:.2f} | {base['round'] / m['round']:.2f} | {threaded['round'] / m['round']:.2f} | "
             f"{m['first']:.2f} | - | "
         )

@@ -21,7 +21,7 @@ import shlex
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -63,16 +63,28 @@ def main() -> None:
     torch.set_num_threads(1)
     lines = []
     for scenario, scenario_options in SCENARIOS.items():
-        lines += [f"\n### {scenario} {scenario_options}\n",
-                  "| method | final acc % | avg incremental acc % | forgetting % | A_loc % | MB up | s/run |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"\n### {scenario} {scenario_options}\n",
+            "| method | final acc % | avg incremental acc % | forgetting % | A_loc % | MB up | s/run |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for label, (plugins, options) in METHODS.items():
             rows = []
             for seed in args.seeds:
                 config = RunConfig(
-                    plugins=plugins, plugin_options=options, scenario=scenario, scenario_options=scenario_options,
-                    dataset="digits", rounds_per_task=args.rounds_per_task, local_epochs=2, batch_size=32,
-                    lr=0.05, eval_every=10_000, device="cpu", seed=seed, out=tempfile.mkdtemp() + "/run",
+                    plugins=plugins,
+                    plugin_options=options,
+                    scenario=scenario,
+                    scenario_options=scenario_options,
+                    dataset="digits",
+                    rounds_per_task=args.rounds_per_task,
+                    local_epochs=2,
+                    batch_size=32,
+                    lr=0.05,
+                    eval_every=10_000,
+                    device="cpu",
+                    seed=seed,
+                    out=tempfile.mkdtemp() + "/run",
                 )
                 start = time.perf_counter()
                 final = run_training(config)["final"]
@@ -88,7 +100,7 @@ def main() -> None:
         "# Baselines on digits (scaled down)",
         "",
         f"Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
-        f"Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; machine: {platform.machine()}, "
+        f"Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; machine: {platform.machine()}, "
         f"{torch.get_num_threads()} torch thread, 2 CPU cores, no GPU; seeds {args.seeds} (mean ± half range).",
         "Settings: digits (sklearn 8x8), default MLP, 3 clients, rounds per task "
         f"{args.rounds_per_task}, 2 local epochs, batch 32, lr 0.05, all clients every round.",

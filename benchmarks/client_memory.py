@@ -27,7 +27,7 @@ import os
 import platform
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -58,8 +58,12 @@ print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def measure(settings: dict) -> dict:
-    result = subprocess.run([sys.executable, "-c", CHILD, json.dumps(settings)], capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(settings)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if result.returncode != 0:
         raise SystemExit(result.stderr[-3000:])
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -76,7 +80,9 @@ def main(argv=None) -> int:
     parser.add_argument("--train-per-class", type=int, default=300)
     parser.add_argument("--test-per-class", type=int, default=20)
     parser.add_argument("--offload", default="cpu,none")
-    parser.add_argument("--plugins", default="fedavg", help="methods, comma-separated (their per-client state counts too)")
+    parser.add_argument(
+        "--plugins", default="fedavg", help="methods, comma-separated (their per-client state counts too)"
+    )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args(argv)
     root = cifar_subset(args.train_per_class, args.test_per_class) if args.dataset == "imagefolder" else None
@@ -85,10 +91,22 @@ def main(argv=None) -> int:
     for where in args.offload.split(","):
         peaks = {}
         for n in counts:
-            settings = dict(plugins=args.plugins.split(","), dataset=args.dataset, data_root=root and str(root), model=args.model, scenario="fcil-sync",
-                            scenario_options={"clients": n, "tasks": 2}, rounds_per_task=2,
-                            clients_per_round=args.per_round, offload_clients=where, device="cpu", seed=0,
-                            checkpoint_every=0, lr=0.01, momentum=0.0)
+            settings = dict(
+                plugins=args.plugins.split(","),
+                dataset=args.dataset,
+                data_root=root and str(root),
+                model=args.model,
+                scenario="fcil-sync",
+                scenario_options={"clients": n, "tasks": 2},
+                rounds_per_task=2,
+                clients_per_round=args.per_round,
+                offload_clients=where,
+                device="cpu",
+                seed=0,
+                checkpoint_every=0,
+                lr=0.01,
+                momentum=0.0,
+            )
             m = measure(settings)
             peaks[n] = m
             rows.append(f"| {where} | {n} | {m['peak_rss'] / 2**20:.1f} | {m['client_state'] / 2**20:.3f} |")
@@ -96,22 +114,29 @@ def main(argv=None) -> int:
         first, last = counts[0], counts[-1]
         growth = (peaks[last]["peak_rss"] - peaks[first]["peak_rss"]) / (last - first)
         state = sum(p["client_state"] for p in peaks.values()) / len(peaks)
-        summaries.append(f"- `--offload-clients {where}`: peak grows by {growth / 2**20:.3f} MiB per added client "
-                         f"({first} -> {last} clients) = {growth / state:.2f} x one client's stored state "
-                         f"({state / 2**20:.3f} MiB)")
+        summaries.append(
+            f"- `--offload-clients {where}`: peak grows by {growth / 2**20:.3f} MiB per added client "
+            f"({first} -> {last} clients) = {growth / state:.2f} x one client's stored state "
+            f"({state / 2**20:.3f} MiB)"
+        )
         print(summaries[-1], flush=True)
-    command = "python benchmarks/client_memory.py" + (" " + " ".join(argv or sys.argv[1:]) if (argv or sys.argv[1:]) else "")
-    table = "\n".join(["| offload | clients | peak RSS MiB | one client's stored state MiB |", "|---|---|---|---|", *rows])
+    command = "python benchmarks/client_memory.py" + (
+        " " + " ".join(argv or sys.argv[1:]) if (argv or sys.argv[1:]) else ""
+    )
+    table = "\n".join(
+        ["| offload | clients | peak RSS MiB | one client's stored state MiB |", "|---|---|---|---|", *rows]
+    )
     if args.write:
         name = "client_memory.md" if args.plugins == "fedavg" else f"client_memory_{args.plugins.replace(',', '+')}.md"
         (HERE / "results" / name).write_text(
             f"# Peak memory against the number of clients\n\nCommand: `{command}`\n"
-            f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
+            f"Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
             f"{os.cpu_count()} cores, CPU only, one process per row.\n"
             f"Setting: shared CIFAR-10 subset ({args.train_per_class} train / {args.test_per_class} test images per class), "
             f"plugins {args.plugins}, model {args.model}, fcil-sync with N clients x 2 tasks, 2 rounds per task, {args.per_round} clients sampled per round, "
             f"no checkpoints.\n\n"
-            f"{table}\n\n" + "\n".join(summaries) + "\n")
+            f"{table}\n\n" + "\n".join(summaries) + "\n"
+        )
     return 0
 
 

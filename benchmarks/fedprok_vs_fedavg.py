@@ -19,7 +19,7 @@ import os
 import platform
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from cifar_data import cifar_subset  # noqa: E402 - this folder, see cifar_data.py
@@ -128,11 +128,13 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
 
-    command = "python benchmarks/fedprok_vs_fedavg.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
+    command = "python benchmarks/fedprok_vs_fedavg.py" + (
+        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)
+    )
     report = f"""# FedProK vs FedAvg: CIFAR-10, synchronous FCIL, T=5, alpha=1, N=3 (scaled)
 
 Command: `{command}`
-Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, no GPU; {args.jobs} runs in parallel, {args.threads} torch thread(s) each
+Date: {datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}; machine: {platform.machine()}, no GPU; {args.jobs} runs in parallel, {args.threads} torch thread(s) each
 ({os.cpu_count()} cores visible, shared with other jobs, so seconds are indicative only).
 
 Setting: shared CIFAR-10 as ImageFolder, first {args.train_per_class} train / {args.test_per_class} test images per class;

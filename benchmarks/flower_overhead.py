@@ -57,7 +57,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no network calls from Flower
@@ -68,11 +68,10 @@ if str(HERE) not in sys.path:  # ``overhead`` and this module importable here an
     sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 import overhead  # noqa: E402
+import torch  # noqa: E402
 from overhead import accuracy, draw, max_difference, normalise, shuffled  # noqa: E402
+from torch import nn  # noqa: E402
 
 try:
     import flwr
@@ -84,7 +83,18 @@ try:
 except ImportError as error:  # pragma: no cover - benchmark-only dependency
     raise SystemExit(f"Flower is not installed ({error}); pip install -e '.[flower]'") from error
 
-SETTINGS = ("dataset", "data_root", "model", "clients", "tasks", "rounds_per_task", "local_epochs", "batch_size", "lr", "seed")
+SETTINGS = (
+    "dataset",
+    "data_root",
+    "model",
+    "clients",
+    "tasks",
+    "rounds_per_task",
+    "local_epochs",
+    "batch_size",
+    "lr",
+    "seed",
+)
 
 
 # --- shared by both halves -----------------------------------------------------------
@@ -94,8 +104,8 @@ _SETUP: dict = {}
 def setup(config) -> dict:
     """Data, partition and schedule of the run, once per process (the ServerApp's
     and every Ray actor's), exactly as ``time_plain`` builds them."""
-    from fedaval.datasets import load_dataset
     from fedaval.build import make_schedule
+    from fedaval.datasets import load_dataset
     from fedaval.scenarios.partition import fcil_sync
 
     key = tuple(config[k.replace("_", "-")] for k in SETTINGS)
@@ -232,8 +242,9 @@ def make_server_app(args, holder: dict, exact: bool) -> ServerApp:
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        config = ConfigRecord({k.replace("_", "-"): getattr(args, k) if k != "data_root" else (args.data_root or "")
-                               for k in SETTINGS})
+        config = ConfigRecord(
+            {k.replace("_", "-"): getattr(args, k) if k != "data_root" else (args.data_root or "") for k in SETTINGS}
+        )
         run = setup(config)
         data, partition, schedule = run["data"], run["partition"], run["schedule"]
         everyone = list(range(len(partition.clients)))
@@ -245,8 +256,12 @@ def make_server_app(args, holder: dict, exact: bool) -> ServerApp:
         shared = {k: v.detach().clone() for k, v in server.state_dict().items() if v.is_floating_point()}
         seen_by_task = []
         for task in range(partition.num_tasks):
-            seen_by_task.append(sorted(set(seen_by_task[-1] if seen_by_task else [])
-                                       | {c for cl in partition.clients for c in cl.classes[task]}))
+            seen_by_task.append(
+                sorted(
+                    set(seen_by_task[-1] if seen_by_task else [])
+                    | {c for cl in partition.clients for c in cl.classes[task]}
+                )
+            )
 
         def evaluate(server_round: int, arrays: ArrayRecord):
             if server_round == 0:  # Flower's evaluation before training: fedaval has none
@@ -259,12 +274,18 @@ def make_server_app(args, holder: dict, exact: bool) -> ServerApp:
 
         n = len(everyone)
         strategy = (FedAvgFloat64 if exact else FedAvg)(
-            fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=n, min_evaluate_nodes=n, min_available_nodes=n)
+            fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=n, min_evaluate_nodes=n, min_available_nodes=n
+        )
         train_config = ConfigRecord(dict(config))
         train_config["task-of-round"] = task_of_round
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(shared), num_rounds=len(task_of_round),
-                                train_config=train_config, evaluate_config=ConfigRecord(dict(config)),
-                                evaluate_fn=evaluate)
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(shared),
+            num_rounds=len(task_of_round),
+            train_config=train_config,
+            evaluate_config=ConfigRecord(dict(config)),
+            evaluate_fn=evaluate,
+        )
         holder["later_rounds_s"] = time.perf_counter() - holder["round1_end"]
         holder["state"] = {k: v.clone() for k, v in result.arrays.to_torch_state_dict().items()}
         holder["accuracy"] = result.evaluate_metrics_serverapp[len(task_of_round)]["accuracy"]
@@ -272,7 +293,9 @@ def make_server_app(args, holder: dict, exact: bool) -> ServerApp:
     return app
 
 
-def time_flower(args, cpus: int, exact: bool = False, holder: dict | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+def time_flower(
+    args, cpus: int, exact: bool = False, holder: dict | None = None
+) -> tuple[float, dict[str, torch.Tensor]]:
     """Wall time of one ``run_simulation`` call and its final global model;
     ``holder`` also gets ``later_rounds_s``, the time from the global
     evaluation of round 1 to the end of the last round (the steady state: Ray,
@@ -281,11 +304,18 @@ def time_flower(args, cpus: int, exact: bool = False, holder: dict | None = None
     import flower_overhead  # the ClientApp from an importable module, so Ray's workers import it, not unpickle copies
 
     holder = {} if holder is None else holder
-    backend_config = {"init_args": {"num_cpus": cpus, "num_gpus": 0, "address": "local", "include_dashboard": False},
-                      "client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
+    backend_config = {
+        "init_args": {"num_cpus": cpus, "num_gpus": 0, "address": "local", "include_dashboard": False},
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+    }
     start = time.perf_counter()
-    run_simulation(server_app=make_server_app(args, holder, exact), client_app=flower_overhead.client_app,
-                   num_supernodes=args.clients, backend_name="ray", backend_config=backend_config)
+    run_simulation(
+        server_app=make_server_app(args, holder, exact),
+        client_app=flower_overhead.client_app,
+        num_supernodes=args.clients,
+        backend_name="ray",
+        backend_config=backend_config,
+    )
     seconds = time.perf_counter() - start
     if "state" not in holder:
         raise RuntimeError("the Flower run did not finish (see its log above)")
@@ -297,9 +327,15 @@ def main(argv=None) -> int:
     overhead.add_work_arguments(parser)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of this process (fedaval, the ServerApp)")
-    parser.add_argument("--cpus", default="1,2", help="CPUs (= Ray actors, 1 torch thread each) given to Flower, one side each")
-    parser.add_argument("--exact", action="store_true", help="add an untimed Flower run with float64, client-order FedAvg")
-    parser.add_argument("--write", action="store_true", help="append the table to benchmarks/results/flower_overhead.md")
+    parser.add_argument(
+        "--cpus", default="1,2", help="CPUs (= Ray actors, 1 torch thread each) given to Flower, one side each"
+    )
+    parser.add_argument(
+        "--exact", action="store_true", help="add an untimed Flower run with float64, client-order FedAvg"
+    )
+    parser.add_argument(
+        "--write", action="store_true", help="append the table to benchmarks/results/flower_overhead.md"
+    )
     args = parser.parse_args(argv)
     args.device = "cpu"
     torch.set_num_threads(args.threads)
@@ -315,13 +351,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedaval-flower-") as tmp:
         overhead.time_plain(args)  # warm-up: decoded-image cache, allocator, lazy imports
         for repeat in range(args.repeats):
-            order = sides[repeat % len(sides):] + sides[: repeat % len(sides)]
+            order = sides[repeat % len(sides) :] + sides[: repeat % len(sides)]
             states = {}
             for side in order:
                 if side == "fedaval":
                     seconds, states[side] = overhead.time_fedaval(args, Path(tmp) / f"run{repeat}")
                 else:
-                    for attempt in range(3):  # on a shared machine, another job's `ray stop` can kill our raylet
+                    for _attempt in range(3):  # on a shared machine, another job's `ray stop` can kill our raylet
                         holder: dict = {}
                         try:
                             seconds, states[side] = time_flower(args, int(side.split("-")[1]), holder=holder)
@@ -345,36 +381,52 @@ def main(argv=None) -> int:
 
     medians = {side: statistics.median(times[side]) for side in sides}
     names = {"fedaval": "fedaval train (in-process, 1 torch thread)"}
-    names.update({f"flower-{c}": f"Flower run_simulation, Ray {c} CPU(s) = {c} actor(s) x 1 torch thread" for c in cpus})
+    names.update(
+        {f"flower-{c}": f"Flower run_simulation, Ray {c} CPU(s) = {c} actor(s) x 1 torch thread" for c in cpus}
+    )
     rows = ["| side | median s | all repeats s | of which rounds 2 to last, median s |", "|---|---|---|---|"]
-    rows += [f"| {names[side]} | {medians[side]:.3f} | {' '.join(f'{t:.3f}' for t in times[side])} | "
-             f"{f'{statistics.median(rounds_times[side]):.3f}' if side in rounds_times else 'n/a'} |" for side in sides]
-    summary = [f"ratio fedaval / Flower ({side.split('-')[1]} CPU(s)): {medians['fedaval'] / medians[side]:.3f}   "
-               f"max |global weight difference|: {differences[side]:.2e} (Flower's float32 FedAvg)" for side in sides[1:]]
+    rows += [
+        f"| {names[side]} | {medians[side]:.3f} | {' '.join(f'{t:.3f}' for t in times[side])} | "
+        f"{f'{statistics.median(rounds_times[side]):.3f}' if side in rounds_times else 'n/a'} |"
+        for side in sides
+    ]
+    summary = [
+        f"ratio fedaval / Flower ({side.split('-')[1]} CPU(s)): {medians['fedaval'] / medians[side]:.3f}   "
+        f"max |global weight difference|: {differences[side]:.2e} (Flower's float32 FedAvg)"
+        for side in sides[1:]
+    ]
     if "exact" in differences:
-        summary.append(f"max |global weight difference| with Flower's strategy aggregating in float64, client order "
-                       f"(--exact, untimed): {differences['exact']:.2e}")
+        summary.append(
+            f"max |global weight difference| with Flower's strategy aggregating in float64, client order "
+            f"(--exact, untimed): {differences['exact']:.2e}"
+        )
     if failures:
         summary.append("Flower runs that failed and were run again (not timed): " + "; ".join(failures))
     print("\n".join(rows))
     print("\n".join(summary))
     if args.write:
         argv_text = " ".join(argv if argv is not None else sys.argv[1:])
-        setting = (f"{args.dataset} ({'shared CIFAR-10, first ' + str(args.train_per_class) + ' train / ' + str(args.test_per_class) + ' test images per class' if args.dataset == 'imagefolder' else 'built in'}), "
-                   f"model {args.model}, fcil-sync {args.clients} clients x {args.tasks} tasks, {args.rounds_per_task} rounds per task, "
-                   f"{args.local_epochs} local epoch(s), batch {args.batch_size}, lr {args.lr}, CPU, seed {args.seed}, {args.repeats} alternating repeats")
+        setting = (
+            f"{args.dataset} ({'shared CIFAR-10, first ' + str(args.train_per_class) + ' train / ' + str(args.test_per_class) + ' test images per class' if args.dataset == 'imagefolder' else 'built in'}), "
+            f"model {args.model}, fcil-sync {args.clients} clients x {args.tasks} tasks, {args.rounds_per_task} rounds per task, "
+            f"{args.local_epochs} local epoch(s), batch {args.batch_size}, lr {args.lr}, CPU, seed {args.seed}, {args.repeats} alternating repeats"
+        )
         import ray
 
-        text = (f"\n## {args.dataset}, {args.model}\n\nCommand: `python benchmarks/flower_overhead.py{' ' + argv_text if argv_text else ''}`\n"
-                f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
-                f"{os.cpu_count()} CPU cores shared with other jobs (times are noisy; compare only within one invocation); "
-                f"Flower {flwr.__version__} (flwr.simulation.run_simulation, ServerApp/ClientApp message API, "
-                f"flwr.serverapp.strategy.FedAvg), Ray {ray.__version__}, torch {torch.__version__}\n"
-                f"Setting: {setting}.\n\n" + "\n".join(rows) + "\n\n" + "\n".join(f"- {line}" for line in summary) + "\n")
+        text = (
+            f"\n## {args.dataset}, {args.model}\n\nCommand: `python benchmarks/flower_overhead.py{' ' + argv_text if argv_text else ''}`\n"
+            f"Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
+            f"{os.cpu_count()} CPU cores shared with other jobs (times are noisy; compare only within one invocation); "
+            f"Flower {flwr.__version__} (flwr.simulation.run_simulation, ServerApp/ClientApp message API, "
+            f"flwr.serverapp.strategy.FedAvg), Ray {ray.__version__}, torch {torch.__version__}\n"
+            f"Setting: {setting}.\n\n" + "\n".join(rows) + "\n\n" + "\n".join(f"- {line}" for line in summary) + "\n"
+        )
         path = HERE / "results" / "flower_overhead.md"
-        header = ("# fedaval vs Flower's simulation engine, same FedAvg work\n\n"
-                  "Written by `benchmarks/flower_overhead.py --write`; one section per invocation. "
-                  "Flower is a benchmark-only dependency (the `flower` extra).\n")
+        header = (
+            "# fedaval vs Flower's simulation engine, same FedAvg work\n\n"
+            "Written by `benchmarks/flower_overhead.py --write`; one section per invocation. "
+            "Flower is a benchmark-only dependency (the `flower` extra).\n"
+        )
         path.write_text((path.read_text() if path.exists() else header) + text)
     return 0
 

@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -41,7 +41,10 @@ def settings(args, plugins, options=None) -> RunConfig:
         plugin_options=options or {},
         scenario="sthfl",
         scenario_options={
-            "clients": args.clients, "classes_per_task": 4, "tasks": args.tasks, "imbalance": 50.0,
+            "clients": args.clients,
+            "classes_per_task": 4,
+            "tasks": args.tasks,
+            "imbalance": 50.0,
         },
         dataset="imagefolder",
         data_root=args.data_root,
@@ -121,30 +124,37 @@ def main() -> None:
                 rows.append(("GLDP-LP", last["a_glo"], last["plugin_metrics"]["gldp"].get("gldp_a_loc_lp"), None))
             else:
                 rows.append((label, last["a_glo"], last["a_loc"], seconds))
-            print(f"{label}: A_glo per stage {[pct(r['a_glo']) for r in stages]}, "
-                  f"A_loc per stage {[pct(r['a_loc']) for r in stages]}  ({seconds:.0f} s)", flush=True)
+            print(
+                f"{label}: A_glo per stage {[pct(r['a_glo']) for r in stages]}, "
+                f"A_loc per stage {[pct(r['a_loc']) for r in stages]}  ({seconds:.0f} s)",
+                flush=True,
+            )
 
-    scale = (f"[{args.clients},4,{args.tasks}], IF=50, test images per class: {args.test_per_class or 1000}, cnn, {args.rounds_per_task} rounds/stage, "
-             f"3 local epochs (GLDP t=1, s=2), batch 32, lr 0.01, wd 1e-4, "
-             f"clients/round={args.clients_per_round or 'all'}, seed {args.seed}")
+    scale = (
+        f"[{args.clients},4,{args.tasks}], IF=50, test images per class: {args.test_per_class or 1000}, cnn, {args.rounds_per_task} rounds/stage, "
+        f"3 local epochs (GLDP t=1, s=2), batch 32, lr 0.01, wd 1e-4, "
+        f"clients/round={args.clients_per_round or 'all'}, seed {args.seed}"
+    )
     table = ["| method | A_glo (%) | A_loc (%) | seconds |", "|---|---|---|---|"]
     for label, a_glo, a_loc, seconds in rows:
         table.append(f"| {label} | {pct(a_glo)} | {pct(a_loc)} | {'' if seconds is None else f'{seconds:.0f}'} |")
     command = "python benchmarks/gldp_vs_fedavg.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    text = "\n".join([
-        "# GLDP vs FedAvg, CIFAR-10 STHFL (scaled down)",
-        "",
-        f"Command: `{command.strip()}`",
-        f"Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {platform.machine()}, 2 CPU cores, no GPU",
-        f"Setting: {scale}",
-        "",
-        *table,
-        "",
-        "A_glo: global model (GLDP: nearest global prototype) on each client's seen classes, mean over clients.",
-        "A_loc: each client's personalised model on its seen classes, mean over clients; after the last round.",
-        "GLDP-GP / GLDP-LP share one run (same training); they differ in the prototypes used for prediction.",
-        "Paper, full scale ([20,4,5], ResNet-18, 50 rounds x 30 epochs): A_glo FedAvg 59.94, GLDP-GP 65.22.",
-    ])
+    text = "\n".join(
+        [
+            "# GLDP vs FedAvg, CIFAR-10 STHFL (scaled down)",
+            "",
+            f"Command: `{command.strip()}`",
+            f"Date: {datetime.now(UTC):%Y-%m-%d %H:%M UTC}; machine: {platform.machine()}, 2 CPU cores, no GPU",
+            f"Setting: {scale}",
+            "",
+            *table,
+            "",
+            "A_glo: global model (GLDP: nearest global prototype) on each client's seen classes, mean over clients.",
+            "A_loc: each client's personalised model on its seen classes, mean over clients; after the last round.",
+            "GLDP-GP / GLDP-LP share one run (same training); they differ in the prototypes used for prediction.",
+            "Paper, full scale ([20,4,5], ResNet-18, 50 rounds x 30 epochs): A_glo FedAvg 59.94, GLDP-GP 65.22.",
+        ]
+    )
     print()
     print(text)
     RESULTS.mkdir(exist_ok=True)

@@ -32,7 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from cifar_data import cifar_subset  # noqa: E402 - this folder, see cifar_data.py
@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     ]
     root = cifar_subset(args.train_per_class, args.test_per_class)
     runs_dir = Path(tempfile.mkdtemp(prefix="hgp-bench-"))
+
     def run_one(label, plugins, options, extra, seed):
         config = RunConfig(
             plugins=plugins,
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
     report = f"""# HGP: classifier re-balancing on CIFAR-10 with a frozen pre-trained EfficientNet-Lite0 (scaled)
 
 Command: `{command}`
-Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, {args.threads} CPU thread(s), no GPU
+Date: {datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}; machine: {platform.machine()}, {args.threads} CPU thread(s), no GPU
 ({os.cpu_count()} cores visible, shared with other jobs, so seconds are indicative only; the first run pays
 the image encoding for all four, the feature cache serves the rest).
 
@@ -182,7 +183,7 @@ Setting: shared CIFAR-10 as ImageFolder, first {args.train_per_class} train / {a
 its ImageNet weights, frozen, images resized {args.image_size}x{args.image_size} and scaled to [-1, 1] inside the model,
 1280-d features, a linear classifier on top (the only trained and shared weights: this backbone has no prompts);
 {args.rounds_per_task} rounds per task ({5 * args.rounds_per_task} rounds), {args.local_epochs} local epochs, batch {args.batch_size},
-SGD lr {args.lr} momentum {args.momentum}, seeds {' '.join(map(str, args.seeds))} (partition and initialisation). HGP defaults: statistics of the current task's classes every
+SGD lr {args.lr} momentum {args.momentum}, seeds {" ".join(map(str, args.seeds))} (partition and initialisation). HGP defaults: statistics of the current task's classes every
 round, the server keeps earlier classes' Gaussians, 256 synthetic features per seen class, 5 epochs of SGD
 (lr 0.01, momentum 0.9) on them from the FedAvg-ed classifier. Accuracy is the global model's on the test images of
 every class seen so far (class-incremental, no task id).

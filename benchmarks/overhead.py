@@ -31,14 +31,13 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
-
 from cifar_data import cifar_subset  # noqa: E402 - this folder, see cifar_data.py
+from torch import nn
 
 HERE = Path(__file__).resolve().parent
 
@@ -112,14 +111,19 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, data, batch: in
 
 
 def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
+    from fedaval.build import make_schedule
     from fedaval.datasets import load_dataset
     from fedaval.models import build_model
-    from fedaval.build import make_schedule
     from fedaval.scenarios.partition import fcil_sync
 
     start = time.perf_counter()
-    device = torch.device("cpu" if args.device == "auto" and not torch.cuda.is_available() else
-                          "cuda" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cpu"
+        if args.device == "auto" and not torch.cuda.is_available()
+        else "cuda"
+        if args.device == "auto"
+        else args.device
+    )
     data = load_dataset(args.dataset, args.data_root, False)
     rng = np.random.default_rng(args.seed)
     partition = fcil_sync(data.train_y.numpy(), data.num_classes, args.clients, args.tasks, 1.0, rng)
@@ -135,12 +139,22 @@ def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
         model = build_model(args.model, data.input_shape, data.num_classes).to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0, weight_decay=1e-4)
         client_seed = int(np.random.SeedSequence([args.seed, k]).generate_state(1)[0])
-        clients.append({"model": model, "optimizer": optimizer, "rng": torch.Generator().manual_seed(client_seed),
-                        "tasks": tasks, "seen": [], "trained": False})
+        clients.append(
+            {
+                "model": model,
+                "optimizer": optimizer,
+                "rng": torch.Generator().manual_seed(client_seed),
+                "tasks": tasks,
+                "seen": [],
+                "trained": False,
+            }
+        )
     loss_fn = nn.CrossEntropyLoss()
     seen_global: list[int] = []
     for task in range(partition.num_tasks):
-        seen_global += [c for c in sorted({c for cl in partition.clients for c in cl.classes[task]}) if c not in seen_global]
+        seen_global += [
+            c for c in sorted({c for cl in partition.clients for c in cl.classes[task]}) if c not in seen_global
+        ]
         for round in range(task * args.rounds_per_task + 1, (task + 1) * args.rounds_per_task + 1):
             global_state = {k: v.clone() for k, v in server.state_dict().items() if k in shared}
             uploads, weights = [], []
@@ -176,7 +190,7 @@ def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
             for client in clients:
                 if client["trained"]:
                     classes = sorted({c for t in client["seen"] for c in client["tasks"].classes[t]})
-                    for t in sorted(client["seen"]):  # one pass per seen task, drawn like an eval loader
+                    for _t in sorted(client["seen"]):  # one pass per seen task, drawn like an eval loader
                         draw(client["rng"])
                     mask = torch.isin(test_y, torch.tensor(classes, device=device))
                     accuracy(client["model"], test_x[mask], test_y[mask], data)
@@ -228,7 +242,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedaval-overhead-") as tmp:
         time_plain(args)  # warm-up: decoded-image cache, allocator, lazy imports
         for repeat in range(args.repeats):
-            for side in (("fedaval", "plain") if repeat % 2 == 0 else ("plain", "fedaval")):
+            for side in ("fedaval", "plain") if repeat % 2 == 0 else ("plain", "fedaval"):
                 if side == "fedaval":
                     seconds, state = time_fedaval(args, Path(tmp) / f"run{repeat}")
                     fedaval_state = state
@@ -237,25 +251,33 @@ def main(argv=None) -> int:
                 times[side].append(seconds)
             difference = max(difference, max_difference(fedaval_state, plain_state))
     fed, plain = statistics.median(times["fedaval"]), statistics.median(times["plain"])
-    command = "python benchmarks/overhead.py" + ("" if not (argv or sys.argv[1:]) else " " + " ".join(argv or sys.argv[1:]))
+    command = "python benchmarks/overhead.py" + (
+        "" if not (argv or sys.argv[1:]) else " " + " ".join(argv or sys.argv[1:])
+    )
     rows = [
         "| side | median s | all repeats s |",
         "|---|---|---|",
         f"| fedaval train | {fed:.3f} | {' '.join(f'{t:.3f}' for t in times['fedaval'])} |",
         f"| plain PyTorch loop | {plain:.3f} | {' '.join(f'{t:.3f}' for t in times['plain'])} |",
     ]
-    summary = (f"ratio fedaval / plain: {fed / plain:.3f}   "
-               f"max |global weight difference|: {difference:.2e} (the same work: identical data order and steps)")
+    summary = (
+        f"ratio fedaval / plain: {fed / plain:.3f}   "
+        f"max |global weight difference|: {difference:.2e} (the same work: identical data order and steps)"
+    )
     print("\n".join(rows))
     print(summary)
     if args.write:
-        setting = (f"{args.dataset} ({'shared CIFAR-10, first ' + str(args.train_per_class) + ' train / ' + str(args.test_per_class) + ' test images per class' if args.dataset == 'imagefolder' else 'built in'}), "
-                   f"model {args.model}, fcil-sync {args.clients} clients x {args.tasks} tasks, {args.rounds_per_task} rounds per task, "
-                   f"{args.local_epochs} local epoch(s), batch {args.batch_size}, device {args.device}, {args.threads} torch thread(s), seed {args.seed}")
-        text = (f"\n## {args.dataset}, {args.model}, {args.device}\n\nCommand: `{command}`\n"
-                f"Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
-                f"{os.cpu_count()} cores (shared with other jobs){'; GPU: ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}\n"
-                f"Setting: {setting}.\n\n" + "\n".join(rows) + f"\n\n{summary}\n")
+        setting = (
+            f"{args.dataset} ({'shared CIFAR-10, first ' + str(args.train_per_class) + ' train / ' + str(args.test_per_class) + ' test images per class' if args.dataset == 'imagefolder' else 'built in'}), "
+            f"model {args.model}, fcil-sync {args.clients} clients x {args.tasks} tasks, {args.rounds_per_task} rounds per task, "
+            f"{args.local_epochs} local epoch(s), batch {args.batch_size}, device {args.device}, {args.threads} torch thread(s), seed {args.seed}"
+        )
+        text = (
+            f"\n## {args.dataset}, {args.model}, {args.device}\n\nCommand: `{command}`\n"
+            f"Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
+            f"{os.cpu_count()} cores (shared with other jobs){'; GPU: ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}\n"
+            f"Setting: {setting}.\n\n" + "\n".join(rows) + f"\n\n{summary}\n"
+        )
         path = HERE / "results" / "overhead.md"
         header = "# Coordinator overhead: fedaval train vs a plain PyTorch loop\n\nWritten by `benchmarks/overhead.py --write`; one section per configuration.\n"
         old = path.read_text() if path.exists() else header

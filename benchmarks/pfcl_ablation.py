@@ -26,7 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from cifar_data import cifar_subset  # noqa: E402 - this folder, see cifar_data.py
@@ -47,7 +47,11 @@ def pct(value) -> str:
 
 
 def client_accuracy_at_task_ends(results) -> list[float]:
-    return [r["mean_client_accuracy"] for r in results["rounds"] if r.get("task_end") and r.get("mean_client_accuracy") is not None]
+    return [
+        r["mean_client_accuracy"]
+        for r in results["rounds"]
+        if r.get("task_end") and r.get("mean_client_accuracy") is not None
+    ]
 
 
 def main(argv=None) -> int:
@@ -112,9 +116,13 @@ def main(argv=None) -> int:
                 "wall": wall,
             }
         )
-        print(f"{label}: average {pct(rows[-1]['average'])}%, final {pct(rows[-1]['final'])}% ({wall:.0f} s)", flush=True)
+        print(
+            f"{label}: average {pct(rows[-1]['average'])}%, final {pct(rows[-1]['final'])}% ({wall:.0f} s)", flush=True
+        )
 
-    header = "| method | average acc % | final acc % | acc at each task end % | bytes up/round | bytes down/round | wall s |"
+    header = (
+        "| method | average acc % | final acc % | acc at each task end % | bytes up/round | bytes down/round | wall s |"
+    )
     lines = [header, "|" + "---|" * 7]
     for r in rows:
         lines.append(
@@ -127,11 +135,13 @@ def main(argv=None) -> int:
     ratio = f"FedAvg / PFCL bytes per round: up {fedavg['b_up'] / pfcl['b_up']:.0f}x, down {fedavg['b_down'] / pfcl['b_down']:.0f}x."
     print(ratio)
 
-    command = "python benchmarks/pfcl_ablation.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
+    command = "python benchmarks/pfcl_ablation.py" + (
+        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)
+    )
     report = f"""# PFCL ablation: CIFAR-10, fcl-random (scaled)
 
 Command: `{command}`
-Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, {args.threads} CPU threads, no GPU
+Date: {datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}; machine: {platform.machine()}, {args.threads} CPU threads, no GPU
 ({os.cpu_count()} cores visible, shared with other jobs, so seconds are indicative only).
 
 Setting: shared CIFAR-10 as ImageFolder, first {args.train_per_class} train / {args.test_per_class} test images per class;

@@ -29,9 +29,18 @@ def settings(root: Path, method: str, noise, out: Path) -> dict:
     if noise is not None:
         options["dp"] = {"clip": CLIP, "noise": noise}
     return dict(
-        plugins=plugins, plugin_options=options, dataset="imagefolder", data_root=str(root),
-        scenario="fcil-sync", scenario_options={"clients": 2, "tasks": 2}, rounds_per_task=2,
-        local_epochs=1, batch_size=32, device="cpu", seed=0, out=str(out),
+        plugins=plugins,
+        plugin_options=options,
+        dataset="imagefolder",
+        data_root=str(root),
+        scenario="fcil-sync",
+        scenario_options={"clients": 2, "tasks": 2},
+        rounds_per_task=2,
+        local_epochs=1,
+        batch_size=32,
+        device="cpu",
+        seed=0,
+        out=str(out),
     )
 
 

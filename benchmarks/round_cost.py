@@ -54,8 +54,14 @@ def main(argv=None) -> int:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     with tempfile.TemporaryDirectory(prefix="fedaval-round-cost-") as tmp:
         settings = dict(
-            plugins=["fedavg"], scenario="fcil-sync", scenario_options={"clients": args.clients, "tasks": args.tasks},
-            dataset="digits", model="mlp", rounds_per_task=args.rounds_per_task, device="cpu", seed=0,
+            plugins=["fedavg"],
+            scenario="fcil-sync",
+            scenario_options={"clients": args.clients, "tasks": args.tasks},
+            dataset="digits",
+            model="mlp",
+            rounds_per_task=args.rounds_per_task,
+            device="cpu",
+            seed=0,
             out=args.out or str(Path(tmp) / "run"),
         )
         if args.checkpoint_every is not None:
@@ -87,19 +93,27 @@ def main(argv=None) -> int:
 
     def window(lo: int, hi: int) -> str:
         med = lambda xs: 1000 * statistics.median(xs[lo:hi])  # noqa: E731
-        return (f"rounds {lo + 1}-{hi}: wall {med(walls):7.2f} ms  local training {med(local):6.2f} ms  "
-                f"fixed {med(fixed):7.2f} ms  (fusion+evaluation {med(inside):6.2f} ms, "
-                f"results+checkpoint+TensorBoard {med(after):6.2f} ms)")
+        return (
+            f"rounds {lo + 1}-{hi}: wall {med(walls):7.2f} ms  local training {med(local):6.2f} ms  "
+            f"fixed {med(fixed):7.2f} ms  (fusion+evaluation {med(inside):6.2f} ms, "
+            f"results+checkpoint+TensorBoard {med(after):6.2f} ms)"
+        )
 
-    print(f"digits, mlp, FedAvg, fcil-sync {args.clients} clients x {args.tasks} tasks x {args.rounds_per_task} "
-          f"rounds = {n} rounds; checkpoint_every={config.checkpoint_every}; torch threads {args.threads}")
-    print(f"build {build_s:.2f} s, training {total:.2f} s ({1000 * total / n:.2f} ms per round), "
-          f"files: {', '.join(f'{k} {v:,} B' for k, v in sorted(sizes.items()))}")
+    print(
+        f"digits, mlp, FedAvg, fcil-sync {args.clients} clients x {args.tasks} tasks x {args.rounds_per_task} "
+        f"rounds = {n} rounds; checkpoint_every={config.checkpoint_every}; torch threads {args.threads}"
+    )
+    print(
+        f"build {build_s:.2f} s, training {total:.2f} s ({1000 * total / n:.2f} ms per round), "
+        f"files: {', '.join(f'{k} {v:,} B' for k, v in sorted(sizes.items()))}"
+    )
     print("median per round, round ~10:  " + window(5, 15))
     print(f"median per round, round ~{n}: " + window(n - 10, n))
     tenth = max(n // 10, 1)
-    print("fixed cost per round, median per tenth of the run (ms): "
-          + " ".join(f"{1000 * statistics.median(fixed[i:i + tenth]):.1f}" for i in range(0, n - tenth + 1, tenth)))
+    print(
+        "fixed cost per round, median per tenth of the run (ms): "
+        + " ".join(f"{1000 * statistics.median(fixed[i : i + tenth]):.1f}" for i in range(0, n - tenth + 1, tenth))
+    )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

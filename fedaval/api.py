@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from fedaval.config import RunConfig
 from fedaval.errors import FedavalUsageError, RunFailure
@@ -96,7 +97,9 @@ def check_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise FedavalUsageError(f"{where} is a file, not a folder; give a folder for the run")
     if (out_dir / "results.json").exists():
-        raise FedavalUsageError(f"{where} already holds a run (results.json); choose another folder, or continue it with --resume")
+        raise FedavalUsageError(
+            f"{where} already holds a run (results.json); choose another folder, or continue it with --resume"
+        )
     existing = out_dir.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -122,8 +125,8 @@ def resume_training(
     import json
 
     from fedaval import checkpoint
-    from fedaval.config import RunConfig
     from fedaval.build import build_run
+    from fedaval.config import RunConfig
 
     out_dir = Path(run_dir)
     where = f"--resume {str(out_dir)!r}"
@@ -169,7 +172,9 @@ def _train(run: Any, results: dict[str, Any] | None, show_progress: bool) -> dic
         done = len(results["rounds"]) if results else 0
         bar = tqdm(total=run.total_rounds, initial=done, unit="round", dynamic_ncols=True)
         # within a round: how many of its clients have trained (a round can take minutes)
-        run.on_client = lambda round, trained, sampled: bar.set_postfix_str(f"round {round}: {trained}/{sampled} clients")
+        run.on_client = lambda round, trained, sampled: bar.set_postfix_str(
+            f"round {round}: {trained}/{sampled} clients"
+        )
 
     def on_round(record: dict[str, Any]) -> None:
         if bar is None:

@@ -64,11 +64,13 @@ def image_metrics(true: torch.Tensor, rec: torch.Tensor) -> dict[str, float]:
         torch.stack([peak_signal_noise_ratio(r[None], t[None], data_range=1.0) for t, r in zip(true, rec)]).mean()
     )
     kernel = 11 if min(true.shape[-2:]) >= 11 else 3  # 8x8 digits: a 3x3 window
-    ssim = float(structural_similarity_index_measure(rec, true, data_range=1.0, kernel_size=kernel))
+    ssim = float(structural_similarity_index_measure(rec, true, data_range=1.0, kernel_size=kernel))  # type: ignore[arg-type]
     return {"mse": mse, "psnr": psnr, "ssim": ssim, "p": privacy_p(mse)}
 
 
-def match_nearest(rec: torch.Tensor, rec_labels: torch.Tensor, true: torch.Tensor, true_labels: torch.Tensor) -> torch.Tensor:
+def match_nearest(
+    rec: torch.Tensor, rec_labels: torch.Tensor, true: torch.Tensor, true_labels: torch.Tensor
+) -> torch.Tensor:
     """Reading 3: for each reconstruction, the index of the true image of the
     same label (any label if none has it) with the smallest MSE."""
     out = []
@@ -146,11 +148,13 @@ def invert_update(
         {"shape": list(shape), "mean": list(mean), "std": list(std), "modality": "vision", "classes": 0}
     )
     server_payload = [{"parameters": [p.detach() for p in model.parameters()], "buffers": None, "metadata": metadata}]
-    shared = [{
-        "gradients": gradients,
-        "buffers": None,
-        "metadata": {"num_data_points": len(labels), "labels": labels.cpu().long(), "local_hyperparams": None},
-    }]
+    shared = [
+        {
+            "gradients": gradients,
+            "buffers": None,
+            "metadata": {"num_data_points": len(labels), "labels": labels.cpu().long(), "local_hyperparams": None},
+        }
+    ]
     cfg = _breaching_config(iterations, tv, step_size)
     setup = {"dtype": torch.float, "device": torch.device("cpu")}
     logger = logging.getLogger("breaching")

@@ -11,8 +11,9 @@ the caller's choice, passed to :func:`fedaval.coordinator.train`.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -135,9 +136,7 @@ def make_schedule(
     ``clients_per_round`` of them are drawn without replacement (0: all)."""
     schedule = []
     for task in range(partition.num_tasks):
-        eligible = [
-            k for k, c in enumerate(partition.clients) if task < c.num_tasks and len(c.indices[task]) > 0
-        ]
+        eligible = [k for k, c in enumerate(partition.clients) if task < c.num_tasks and len(c.indices[task]) > 0]
         for _ in range(rounds_per_task):
             if clients_per_round == 0 or clients_per_round >= len(eligible):
                 chosen = eligible

@@ -88,8 +88,7 @@ def snapshot(run: Run, results: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     buffer = io.BytesIO()
     state.dump(run, objects, buffer)
     results = dict(results, rounds=list(results.get("rounds", [])), tasks=list(results.get("tasks", [])))
-    content = {"format": FORMAT, "round": run.round, "task": run.task, "state": buffer.getvalue(),
-               "results": results}
+    content = {"format": FORMAT, "round": run.round, "task": run.task, "state": buffer.getvalue(), "results": results}
     assert run.out_dir is not None, "only a run with a folder is checkpointed"
     return path_for(run.out_dir, run.round), content
 

@@ -7,9 +7,10 @@ evaluator are built once and live for the whole run.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -61,7 +62,9 @@ class Client:
         self.test_stream = make_test_stream(run.data, tasks.classes)
         self.shared_keys: list[str] = list(run.hook.fedaval_shared_keys(run=run, model=model))
         self.bridge = HookBridge(run, self)
-        method_plugins = [p for result in run.hook.fedaval_client_avalanche_plugins(run=run, client=self) for p in (result or [])]
+        method_plugins = [
+            p for result in run.hook.fedaval_client_avalanche_plugins(run=run, client=self) for p in (result or [])
+        ]
         config = run.config
         assert config.lr is not None and config.momentum is not None, "RunConfig.validate fills them"
         self.strategy = FederatedStrategy(
@@ -197,7 +200,9 @@ class Client:
         from fedaval.streams import with_extra_data
 
         own = self.train_stream[task]
-        extras = [e for e in self.run.hook.fedaval_client_train_data(run=self.run, client=self, task=task) if e is not None]
+        extras = [
+            e for e in self.run.hook.fedaval_client_train_data(run=self.run, client=self, task=task) if e is not None
+        ]
         return with_extra_data(self.run.data, own, self.tasks.indices[task], extras) if extras else own
 
     def shared_state(self) -> dict[str, torch.Tensor]:

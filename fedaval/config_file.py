@@ -37,8 +37,9 @@ click applies its types and lets the command line win), and its
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from fedaval.errors import FedavalUsageError
 
@@ -170,7 +171,9 @@ def parse_seeds(text: str) -> list[int]:
         try:
             seeds.append(int(item))
         except ValueError:
-            raise FedavalUsageError(f"bad value --seeds {text!r}; expected comma-separated integers, e.g. 42,1999,2024") from None
+            raise FedavalUsageError(
+                f"bad value --seeds {text!r}; expected comma-separated integers, e.g. 42,1999,2024"
+            ) from None
     for seed in seeds:
         if not 0 <= seed < 2**32:
             raise FedavalUsageError(f"bad value --seeds {text!r}: seed {seed} must be in [0, 2**32 - 1]")

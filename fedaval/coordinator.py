@@ -6,13 +6,13 @@ import errno
 import json
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fedaval import checkpoint
 from fedaval.atomic import atomic_write_json
 from fedaval.backends.local import Backend, ClientRound, LocalBackend
 from fedaval.errors import FedavalUsageError, RunFailure, RunInterrupted
-from fedaval.offload import offload_idle
 from fedaval.evaluation import (
     STREAM_ACC,
     STREAM_BWT,
@@ -28,6 +28,7 @@ from fedaval.evaluation import (
     scalar,
     summarise,
 )
+from fedaval.offload import offload_idle
 from fedaval.payload import Upload, payload_nbytes
 from fedaval.privacy import privacy_results
 from fedaval.run import Run
@@ -189,8 +190,14 @@ def federation_model(run: Run) -> str:
 #: Round keys that describe the global model; ``None`` when the federation's
 #: model is the clients' models.
 GLOBAL_MODEL_KEYS = (
-    "global_accuracy", "global_task_accuracy", "avalanche_forgetting", "avalanche_bwt",
-    "a_glo", "stability", "plasticity", "utility",
+    "global_accuracy",
+    "global_task_accuracy",
+    "avalanche_forgetting",
+    "avalanche_bwt",
+    "a_glo",
+    "stability",
+    "plasticity",
+    "utility",
 )
 
 
@@ -453,12 +460,14 @@ def _train_rounds(
             if record["task_end"]:
                 row = record.get("global_task_accuracy")
                 matrix.append(row)
-                results["tasks"].append({
-                    "task": task,
-                    "accuracy": row,
-                    "global_accuracy": record.get("global_accuracy"),
-                    "mean_client_accuracy": record.get("mean_client_accuracy"),
-                })
+                results["tasks"].append(
+                    {
+                        "task": task,
+                        "accuracy": row,
+                        "global_accuracy": record.get("global_accuracy"),
+                        "mean_client_accuracy": record.get("mean_client_accuracy"),
+                    }
+                )
             privacy = privacy_results(run)
             if privacy is not None:
                 results["privacy"] = privacy
@@ -468,7 +477,7 @@ def _train_rounds(
                 results["final"] = final_summary(results)
             log_round(run, record, results["final"])
             if run.out_dir is not None:
-                _write(run, lambda: append_round(run.out_dir, record))
+                _write(run, lambda: append_round(run.out_dir, record))  # noqa: B023 - called at once
                 if checkpoint.is_due(run, round):
                     _write(run, lambda: checkpoint.save_in_background(run, results))
                 if write_results:
@@ -563,10 +572,24 @@ def resume_hint(run: Run) -> str:
 
 
 ROUND_SCALARS = (
-    "bytes_up", "bytes_down", "seconds", "seconds_local", "seconds_fusion", "seconds_eval",
-    "seconds_computation", "seconds_communication",
-    "global_accuracy", "mean_client_accuracy", "forgetting", "bwt",
-    "a_glo", "a_loc", "a_sel", "stability", "plasticity", "utility",
+    "bytes_up",
+    "bytes_down",
+    "seconds",
+    "seconds_local",
+    "seconds_fusion",
+    "seconds_eval",
+    "seconds_computation",
+    "seconds_communication",
+    "global_accuracy",
+    "mean_client_accuracy",
+    "forgetting",
+    "bwt",
+    "a_glo",
+    "a_loc",
+    "a_sel",
+    "stability",
+    "plasticity",
+    "utility",
 )
 
 

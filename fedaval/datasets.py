@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -112,9 +112,7 @@ def _digits(root: Path | None, download: bool) -> ImageData:
     y = torch.tensor(bunch.target, dtype=torch.int64)
     # A fixed, stratified 70/30 split: part of the dataset, not of the run's seed.
     tr, te = train_test_split(np.arange(len(y)), test_size=0.3, random_state=0, stratify=bunch.target)
-    return ImageData(
-        "digits", x[tr], y[tr], x[te], y[te], [str(i) for i in range(10)], mean=(0.305,), std=(0.380,)
-    )
+    return ImageData("digits", x[tr], y[tr], x[te], y[te], [str(i) for i in range(10)], mean=(0.305,), std=(0.380,))
 
 
 def _need_root(root: Path | None, name: str) -> Path:
@@ -181,7 +179,6 @@ def _fingerprint(root: Path) -> str:
 
 def _decode(paths: list[str], size: tuple[int, int] | None) -> torch.Tensor:
     from PIL import Image
-
     from tqdm import tqdm
 
     out = None
@@ -251,7 +248,9 @@ def _imagefolder(root: Path | None, download: bool) -> ImageData:
     data = _load_cached("imagefolder", root, build)
     mean = tuple((data["train_x"].float().mean(dim=(0, 2, 3)) / 255).tolist())
     std = tuple((data["train_x"].float().std(dim=(0, 2, 3)) / 255).tolist())
-    return ImageData("imagefolder", data["train_x"], data["train_y"], data["test_x"], data["test_y"], classes, mean, std)
+    return ImageData(
+        "imagefolder", data["train_x"], data["train_y"], data["test_x"], data["test_y"], classes, mean, std
+    )
 
 
 def _tiny_imagenet(root: Path | None, download: bool) -> ImageData:
@@ -285,8 +284,14 @@ def _tiny_imagenet(root: Path | None, download: bool) -> ImageData:
 
     data = _load_cached("tiny-imagenet", base, build)
     return ImageData(
-        "tiny-imagenet", data["train_x"], data["train_y"], data["test_x"], data["test_y"], wnids,
-        mean=(0.480, 0.448, 0.398), std=(0.277, 0.269, 0.282),
+        "tiny-imagenet",
+        data["train_x"],
+        data["train_y"],
+        data["test_x"],
+        data["test_y"],
+        wnids,
+        mean=(0.480, 0.448, 0.398),
+        std=(0.277, 0.269, 0.282),
     )
 
 

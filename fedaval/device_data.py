@@ -26,7 +26,8 @@ not augmented (fedaval's datasets have no augmentation on either path).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader

@@ -9,7 +9,7 @@ local. :class:`SplitModel` makes that split explicit, and
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,9 +53,7 @@ def split_model(model: nn.Module) -> SplitModel:
             return SplitModel(body, layer[-1], layer[-1].in_features)
         if isinstance(layer, nn.Linear):
             return SplitModel(body_without(attr, nn.Identity()), layer, layer.in_features)
-    raise ValueError(
-        f"cannot split a {type(model).__name__}: it has no last linear layer named fc, classifier or head"
-    )
+    raise ValueError(f"cannot split a {type(model).__name__}: it has no last linear layer named fc, classifier or head")
 
 
 def mlp(input_shape, num_classes: int, hidden: int = 128, feature_dim: int = 64) -> SplitModel:
@@ -73,10 +71,19 @@ def cnn(input_shape, num_classes: int, width: int = 32, feature_dim: int = 128) 
     """A small convolutional net for any image size (global average pooling)."""
     channels = input_shape[0]
     features = nn.Sequential(
-        nn.Conv2d(channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(2 * width, feature_dim, 3, padding=1), nn.BatchNorm2d(feature_dim), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(channels, width, 3, padding=1),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.BatchNorm2d(2 * width),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * width, feature_dim, 3, padding=1),
+        nn.BatchNorm2d(feature_dim),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
     )
     return SplitModel(features, nn.Linear(feature_dim, num_classes), feature_dim)
 
@@ -101,9 +108,7 @@ def cifar_resnet(input_shape, num_classes: int, blocks: tuple[int, int, int, int
     """A ResNet of basic blocks with the CIFAR stem (3x3 conv, stride 1, no
     max-pool), as the papers use; ``blocks`` per stage of 64, 128, 256, 512
     channels; 512-d features."""
-    layers: list[nn.Module] = [
-        nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()
-    ]
+    layers: list[nn.Module] = [nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
     cin = 64
     for (cout, stride), n in zip([(64, 1), (128, 2), (256, 2), (512, 2)], blocks):
         layers += [_BasicBlock(cin, cout, stride)] + [_BasicBlock(cout, cout, 1) for _ in range(n - 1)]

@@ -90,9 +90,7 @@ def build_options(options_cls: type, values: dict[str, Any], owner: str) -> Any:
         try:
             kwargs[key] = coerce(hints[key], raw)
         except (ValueError, TypeError):
-            raise FedavalUsageError(
-                f"bad value {owner}.{key}={raw!r}; expected {_type_name(hints[key])}"
-            ) from None
+            raise FedavalUsageError(f"bad value {owner}.{key}={raw!r}; expected {_type_name(hints[key])}") from None
     instance = options_cls(**kwargs)
     for name, field in fields.items():
         check = field.metadata.get("check")
@@ -100,9 +98,7 @@ def build_options(options_cls: type, values: dict[str, Any], owner: str) -> Any:
             continue
         problem = check(getattr(instance, name))
         if problem:
-            raise FedavalUsageError(
-                f"bad value {owner}.{name}={getattr(instance, name)!r}; {problem}"
-            )
+            raise FedavalUsageError(f"bad value {owner}.{name}={getattr(instance, name)!r}; {problem}")
     return instance
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-
 CORE_LOSS_TERMS = ("classification", "total")
 """Loss terms the core logs itself (``loss/classification``, ``loss/total``):
 a plugin's term of either name would be summed into them unnoticed."""

@@ -13,10 +13,11 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 import pluggy
 
@@ -84,7 +85,9 @@ def resolve_plugin(spec: str) -> tuple[str, Any]:
         return plugin_name(obj, default=attr.lower()), obj
     installed = installed_plugins()
     if spec not in installed:
-        raise choice_error("plugin", spec, sorted(installed) + [f"{p}:<name>" for p in SPEC_FACTORIES] + ["package.module:Class"])
+        raise choice_error(
+            "plugin", spec, sorted(installed) + [f"{p}:<name>" for p in SPEC_FACTORIES] + ["package.module:Class"]
+        )
     return spec, installed[spec].load()
 
 
@@ -211,7 +214,9 @@ def check_hook_names(pm: pluggy.PluginManager) -> None:
                 raise FedavalUsageError(
                     f"plugin {name!r} implements {caller.name!r}, which is no fedaval hook{_closest(caller.name, specs)}"
                 )
-        marked = {impl.function.__name__ for caller in callers for impl in caller.get_hookimpls() if impl.plugin is plugin}
+        marked = {
+            impl.function.__name__ for caller in callers for impl in caller.get_hookimpls() if impl.plugin is plugin
+        }
         for attr in dir(plugin):
             if attr in specs and attr not in marked and callable(getattr(plugin, attr, None)):
                 raise FedavalUsageError(

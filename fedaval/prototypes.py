@@ -9,7 +9,7 @@ methods (GLDP, FedProK, PFCL...) keep the sets and call these.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 

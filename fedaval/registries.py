@@ -36,7 +36,7 @@ def collect(pm: pluggy.PluginManager, kind: str) -> dict[str, Any]:
     owners: dict[str, str] = {}
     for impl in caller.get_hookimpls():  # in registration order
         added: list[tuple[str, Any]] = []
-        impl.function(lambda name, thing: added.append((name, thing)))
+        impl.function(lambda name, thing: added.append((name, thing)))  # noqa: B023 - called at once
         for name, thing in added:
             if name in found:
                 raise FedavalUsageError(

@@ -32,9 +32,10 @@ import json
 import math
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fedaval.errors import FedavalUsageError
 
@@ -219,7 +220,9 @@ def setting_of(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("scenario_options"):
         options.setdefault(scenario, {}).update(config["scenario_options"])
     out["plugin_options"] = {
-        owner: {k: _as_text(v) for k, v in sorted(values.items())} for owner, values in sorted(options.items()) if values
+        owner: {k: _as_text(v) for k, v in sorted(values.items())}
+        for owner, values in sorted(options.items())
+        if values
     }
     out.pop("scenario_options", None)
     return out
@@ -272,9 +275,7 @@ def group_runs(runs: list[RunResult]) -> list[Group]:
             groups.append(Group(setting, [run]))
     flat = [_flatten(g.setting) for g in groups]
     shown = {"plugins", "scenario", "dataset"}  # have their own columns
-    varying = sorted(
-        {k for f in flat for k in f if k not in shown and len({json.dumps(x.get(k)) for x in flat}) > 1}
-    )
+    varying = sorted({k for f in flat for k in f if k not in shown and len({json.dumps(x.get(k)) for x in flat}) > 1})
     for group, f in zip(groups, flat):
         group.label = ", ".join(f"{k if '.' in k else k.replace('_', '-')}={f[k]}" for k in varying if k in f)
     return groups
@@ -313,9 +314,7 @@ class Row:
 
 
 def summarise_groups(groups: list[Group]) -> list[Row]:
-    return [
-        Row(group, {m.key: mean_std([m.read(r.results) for r in group.runs]) for m in METRICS}) for group in groups
-    ]
+    return [Row(group, {m.key: mean_std([m.read(r.results) for r in group.runs]) for m in METRICS}) for group in groups]
 
 
 def present_metrics(rows: list[Row]) -> list[Metric]:
@@ -396,7 +395,11 @@ def markdown_table(rows: list[Row], paper: PaperRows | None = None) -> str:
     numeric = set(range(columns.index("seeds") + 1, len(columns)))
 
     def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        return (
+            "| "
+            + " | ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            + " |"
+        )
 
     rule = "|" + "|".join(("-" * (w + 1) + ":") if i in numeric else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
     return "\n".join([line(columns), rule, *(line(r) for r in body)])
@@ -577,7 +580,9 @@ def plot_accuracy_matrix(run: RunResult, path: Path) -> Path:
     image = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis")
     for (i, j), value in np.ndenumerate(grid):
         if not np.isnan(value):
-            ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8, color="white" if value < 60 else "black")
+            ax.text(
+                j, i, f"{value:.0f}", ha="center", va="center", fontsize=8, color="white" if value < 60 else "black"
+            )
     ax.set_xticks(range(size), [str(j + 1) for j in range(size)])
     ax.set_yticks(range(grid.shape[0]), [str(i + 1) for i in range(grid.shape[0])])
     ax.set_xlabel("task evaluated")
@@ -631,7 +636,9 @@ def grouping_text(groups: list[Group]) -> str:
     """Which run folders make each row: ``method scenario dataset [setting]: dir, dir``."""
     lines = []
     for g in groups:
-        head = " ".join(x for x in (g.method, str(g.setting.get("scenario", "")), str(g.setting.get("dataset", "")), g.label) if x)
+        head = " ".join(
+            x for x in (g.method, str(g.setting.get("scenario", "")), str(g.setting.get("dataset", "")), g.label) if x
+        )
         lines.append(f"{head}: " + ", ".join(str(r.path) for r in g.runs))
     return "\n".join(lines)
 

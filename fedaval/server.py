@@ -36,7 +36,9 @@ class Server:
             run=run,
             client=None,
             model=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),  # never steps: the server model is fused, not trained
+            optimizer=torch.optim.SGD(
+                model.parameters(), lr=0.0
+            ),  # never steps: the server model is fused, not trained
             eval_mb_size=256,
             device=run.device,
             plugins=[self.predictions],
@@ -76,14 +78,14 @@ class Server:
                 try:
                     check_finite(new, "fused weights")
                 except FloatingPointError as exc:  # the global model never becomes non-finite
-                    raise RunFailure(f"round {round}: {exc}; the global model keeps the previous round's weights") from exc
+                    raise RunFailure(
+                        f"round {round}: {exc}; the global model keeps the previous round's weights"
+                    ) from exc
                 state = self.model.state_dict()
                 with torch.no_grad():
                     for key, value in new.items():
                         state[key].copy_(value)
-        self.extras = merge_entries(
-            hook.fedaval_server_fuse(run=self.run, uploads=uploads, round=round), "download"
-        )
+        self.extras = merge_entries(hook.fedaval_server_fuse(run=self.run, uploads=uploads, round=round), "download")
         if "weights" in self.extras:
             raise RuntimeError("fedaval_server_fuse may not return 'weights'; implement fedaval_server_fuse_weights")
 

@@ -20,7 +20,8 @@ or after a resume, where the key objects are new ones.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 __all__ = ["Stash", "StashKey"]
 

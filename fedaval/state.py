@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import IO, TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fedaval.run import Run

@@ -46,6 +46,7 @@ def loss_term_clash(name: str, seen: set[str]) -> FedavalUsageError:
         )
     return FedavalUsageError(f"two plugins return the local-loss term {name!r}; each term needs its own name")
 
+
 if TYPE_CHECKING:
     from fedaval.client import Client
     from fedaval.run import Run

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from avalanche.benchmarks.scenarios.dataset_scenario import DatasetExperience
@@ -22,7 +22,9 @@ def make_dataset(data: ImageData, split: str, indices: np.ndarray):
 
 def _stream(name: str, datasets: Sequence) -> list[DatasetExperience | None]:
     """Experiences numbered by task; ``None`` where a task has no data."""
-    exps = [None if ds is None else DatasetExperience(dataset=ds, current_experience=t) for t, ds in enumerate(datasets)]
+    exps = [
+        None if ds is None else DatasetExperience(dataset=ds, current_experience=t) for t, ds in enumerate(datasets)
+    ]
     stream = EagerCLStream(name, [e for e in exps if e is not None], set_stream_info=False)
     for e in exps:
         if e is not None:

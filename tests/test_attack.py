@@ -36,7 +36,10 @@ def test_attacking_during_training_changes_no_training_result(tiny_config, tmp_p
     block = attacked["privacy"]["attack"]
     # rounds 2 and 4, one client each, a weights attack and a prototype attack per upload
     assert sorted({(a["round"], a["kind"]) for a in block["attacks"]}) == [
-        (2, "prototypes"), (2, "weights"), (4, "prototypes"), (4, "weights")
+        (2, "prototypes"),
+        (2, "weights"),
+        (4, "prototypes"),
+        (4, "weights"),
     ]
     for a in block["attacks"]:
         assert a["p"] == pytest.approx(1 - 1 / (1 + a["mse"]))
@@ -65,8 +68,9 @@ def test_fedaval_attack_replays_a_round_of_a_finished_run(tiny_config, tmp_path)
 
     out = tmp_path / "live"
     live = run_training(
-        tiny_config(plugins=["fedprok", ATTACK], plugin_options={"attack": {**FAST, "ids": "1"}}, out=out,
-                    keep_checkpoints=10)
+        tiny_config(
+            plugins=["fedprok", ATTACK], plugin_options={"attack": {**FAST, "ids": "1"}}, out=out, keep_checkpoints=10
+        )
     )
     before = (out / "results.json").read_text()
     res = CliRunner().invoke(cli, ["attack", str(out), "--round", "2", "--clients", "1", "--iterations", "20"])

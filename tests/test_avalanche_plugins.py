@@ -8,15 +8,14 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from fedaval import hookimpl
+from fedaval.build import build_run
 from fedaval.cli import cli
 from fedaval.coordinator import train
 from fedaval.errors import FedavalUsageError
 from fedaval.plugin_manager import instantiate, resolve_plugin
-from fedaval.build import build_run
 
 
 def run_with(config, extra=()):
@@ -59,8 +58,9 @@ def test_generic_mas_plugin_does_its_end_of_task_work_once_per_task(tiny_config,
 
     after = count_calls(monkeypatch, MASPlugin, "after_training_exp")
     before = count_calls(monkeypatch, MASPlugin, "before_training_exp")
-    config = tiny_config(plugins=["avalanche:MASPlugin"], plugin_options={"avalanche": {"lambda_reg": "2"}},
-                         rounds_per_task=3)
+    config = tiny_config(
+        plugins=["avalanche:MASPlugin"], plugin_options={"avalanche": {"lambda_reg": "2"}}, rounds_per_task=3
+    )
     run, results = run_with(config)
     assert len(results["rounds"]) == 6
     bridge = run.plugins.objects["avalanche"]
@@ -104,8 +104,20 @@ def test_generic_path_errors_are_one_line(spec, values, message):
 
 
 def test_generic_path_cli_error(tmp_path):
-    result = CliRunner().invoke(cli, ["train", "--plugins", "avalanche:MASPlugin", "-o", "avalanche.nope=1",
-                                      "--out", str(tmp_path / "r"), "--device", "cpu"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            "--plugins",
+            "avalanche:MASPlugin",
+            "-o",
+            "avalanche.nope=1",
+            "--out",
+            str(tmp_path / "r"),
+            "--device",
+            "cpu",
+        ],
+    )
     assert result.exit_code == 2
     assert "unknown option avalanche.nope; allowed: alpha, lambda_reg, verbose" in result.output
 
@@ -133,8 +145,9 @@ def test_hybrids_act_once_per_task_and_replay_in_every_round(tiny_config, monkey
 
     monkeypatch.setattr(LearningWithoutForgetting, "post_adapt", post_adapt)
     probe = BatchProbe()
-    config = tiny_config(plugins=["fedewc", "fedlwf", "fedreplay"], plugin_options={"fedreplay": {"mem_size": "40"}},
-                         rounds_per_task=3)
+    config = tiny_config(
+        plugins=["fedewc", "fedlwf", "fedreplay"], plugin_options={"fedreplay": {"mem_size": "40"}}, rounds_per_task=3
+    )
     run, results = run_with(config, extra=[probe])
     for client in run.clients:
         ewc = run.plugins.objects["fedewc"].instance(client)
@@ -158,7 +171,10 @@ def test_fedewc_online_mode_needs_a_decay_factor():
     with pytest.raises(FedavalUsageError, match="fedewc.decay_factor"):
         instantiate(name, cls, {"mode": "online"})
     assert instantiate(name, cls, {"mode": "online", "decay_factor": "0.9"}).avalanche_kwargs() == {
-        "ewc_lambda": 1.0, "mode": "online", "decay_factor": 0.9}
+        "ewc_lambda": 1.0,
+        "mode": "online",
+        "decay_factor": 0.9,
+    }
 
 
 # --- every baseline in every scenario -------------------------------------------
@@ -174,8 +190,13 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_baselines_run_in_every_scenario(tiny_config, scenario):
     plugins = ["fedprox", "fedewc", "fedlwf", "fedreplay"]
-    config = tiny_config(plugins=plugins, scenario=scenario, scenario_options=SCENARIOS[scenario],
-                         rounds_per_task=1, plugin_options={"fedreplay": {"mem_size": "20"}})
+    config = tiny_config(
+        plugins=plugins,
+        scenario=scenario,
+        scenario_options=SCENARIOS[scenario],
+        rounds_per_task=1,
+        plugin_options={"fedreplay": {"mem_size": "20"}},
+    )
     run, results = run_with(config)
     assert results["plugins"][:5] == ["fedavg", *plugins]
     assert len(results["rounds"]) == run.num_tasks

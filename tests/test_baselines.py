@@ -13,11 +13,10 @@ from torch import nn
 from fedaval import hookimpl
 from fedaval.api import run_training
 from fedaval.plugins.apfl import ALPHA, APFL, PERSONAL, alpha_gradient, mix, personal_step
-from fedaval.stash import Stash
 from fedaval.plugins.fedavg import weighted_average
 from fedaval.plugins.fednova import fednova_fuse, local_step_norm
 from fedaval.plugins.fedprox import proximal_term
-
+from fedaval.stash import Stash
 
 # --- FedProx ---------------------------------------------------------------
 
@@ -161,8 +160,14 @@ def _client_acc(results):
 
 def test_apfl_run_mixture_predicts_for_clients_and_leaves_w_alone(tiny_config, tmp_path):
     fedavg = run_training(tiny_config(out=str(tmp_path / "a"), rounds_per_task=1))
-    apfl = run_training(tiny_config(out=str(tmp_path / "b"), rounds_per_task=1, plugins=["apfl"],
-                                    plugin_options={"apfl": {"alpha": "1", "adaptive": "false"}}))
+    apfl = run_training(
+        tiny_config(
+            out=str(tmp_path / "b"),
+            rounds_per_task=1,
+            plugins=["apfl"],
+            plugin_options={"apfl": {"alpha": "1", "adaptive": "false"}},
+        )
+    )
     # the personal step never touches w: the global model is FedAvg's, bit for bit
     assert apfl["final"]["accuracy"] == fedavg["final"]["accuracy"]
     # ... but with alpha = 1 the purely personal model v predicts for each client

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 pytestmark = pytest.mark.slow  # whole trainings
 
@@ -26,6 +26,17 @@ def test_overhead_benchmark_runs_and_does_the_same_work():
 
 
 def test_client_memory_benchmark_runs():
-    out = run("client_memory.py", "--dataset", "digits", "--model", "mlp", "--clients", "3,4", "--per-round", "2",
-              "--offload", "cpu")
+    out = run(
+        "client_memory.py",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--clients",
+        "3,4",
+        "--per-round",
+        "2",
+        "--offload",
+        "cpu",
+    )
     assert "peak grows by" in out and "one client's stored state" in out

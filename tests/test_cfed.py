@@ -75,9 +75,17 @@ def cfed_run(tmp_path_factory):
 
     probes = ClientProbe(), BeforeFuse(), AfterFuse()
     config = tiny_run_config(
-        tmp_path_factory.mktemp("cfed") / "run", plugins=[CFED], scenario_options={"clients": 3, "tasks": 2},
-        plugin_options={"cfed": {"surrogate": "imagefolder", "surrogate_root": str(CIFAR10_SUBSET),
-                                 "surrogate_samples": 200, "review_fraction": 0.3}},
+        tmp_path_factory.mktemp("cfed") / "run",
+        plugins=[CFED],
+        scenario_options={"clients": 3, "tasks": 2},
+        plugin_options={
+            "cfed": {
+                "surrogate": "imagefolder",
+                "surrogate_root": str(CIFAR10_SUBSET),
+                "surrogate_samples": 200,
+                "review_fraction": 0.3,
+            }
+        },
     )
     return run_training(config, extra_plugins=list(probes)), probes
 
@@ -86,8 +94,10 @@ def test_clients_split_into_learners_and_reviewers_from_the_second_task(cfed_run
     results, (probe, _, _) = cfed_run
     for round in (1, 2):  # first task: nothing to review
         assert all(not probe.role[(k, round)] for k in range(3))
-        assert "cfed" not in results["rounds"][round - 1]["plugin_metrics"] or \
-            "cfed_reviewers" not in results["rounds"][round - 1]["plugin_metrics"]["cfed"]
+        assert (
+            "cfed" not in results["rounds"][round - 1]["plugin_metrics"]
+            or "cfed_reviewers" not in results["rounds"][round - 1]["plugin_metrics"]["cfed"]
+        )
         assert "loss/cfed_kd" not in results["rounds"][round - 1]["losses"]
     for round in (3, 4):
         reviewers = [k for k in range(3) if probe.role[(k, round)]]
@@ -138,8 +148,17 @@ def test_surrogate_sharing_the_tasks_classes_is_refused():
 
 
 def test_surrogate_bad_root_or_name_is_a_one_line_error(tmp_path):
-    line = one_line_error(["train", "--plugins", CFED, "-o", "cfed.surrogate=imagefolder",
-                           "-o", f"cfed.surrogate_root={tmp_path / 'nowhere'}"])
+    line = one_line_error(
+        [
+            "train",
+            "--plugins",
+            CFED,
+            "-o",
+            "cfed.surrogate=imagefolder",
+            "-o",
+            f"cfed.surrogate_root={tmp_path / 'nowhere'}",
+        ]
+    )
     assert "cfed.surrogate_root" in line and "does not exist" in line
     line = one_line_error(["train", "--plugins", CFED, "-o", "cfed.surrogate=imagefolder"])
     assert "cfed.surrogate_root" in line
@@ -158,7 +177,9 @@ def test_same_dataset_is_allowed_with_classes_outside_the_tasks():
 
     data = load_dataset("digits")
     run = SimpleNamespace(
-        datasets=DATASETS, data=data, config=SimpleNamespace(dataset="digits", data_root=None, seed=0),
+        datasets=DATASETS,
+        data=data,
+        config=SimpleNamespace(dataset="digits", data_root=None, seed=0),
         federation_task_classes=lambda: [[0, 1], [2, 3]],
     )
     options = CFeD.Options(surrogate="digits", surrogate_classes=[5, 6], surrogate_samples=50)
@@ -171,6 +192,15 @@ def test_same_dataset_is_allowed_with_classes_outside_the_tasks():
 
 
 def test_cfed_with_a_method_that_shares_no_weights_is_refused():
-    line = one_line_error(["train", "--plugins", f"{CFED},fedaval.plugins.fedweit:FedWeIT",
-                           "-o", "cfed.surrogate=imagefolder", "-o", "cfed.surrogate_root=tests/data/cifar10"])
+    line = one_line_error(
+        [
+            "train",
+            "--plugins",
+            f"{CFED},fedaval.plugins.fedweit:FedWeIT",
+            "-o",
+            "cfed.surrogate=imagefolder",
+            "-o",
+            "cfed.surrogate_root=tests/data/cifar10",
+        ]
+    )
     assert "cfed distils into the global model" in line and "fedweit" in line and "clients" in line

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import one_line_error, strip_timing
 
 from fedaval.cli import cli
-from helpers import one_line_error, strip_timing
 
 pytestmark = pytest.mark.slow  # whole trainings
 
@@ -42,7 +42,9 @@ def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_results(tmp_path, m
     total = len(json.loads((tmp_path / "whole" / "results.json").read_text())["rounds"])
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen([*args, "--out", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    process = subprocess.Popen(
+        [*args, "--out", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
     # round 3 is the first round of task 2: the kill lands in the middle of a task
     third = killed / "checkpoints" / "round-000003.ckpt"
     deadline = time.monotonic() + 120
@@ -53,7 +55,9 @@ def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_results(tmp_path, m
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     assert len(json.loads((killed / "results.json").read_text())["rounds"]) < total
 
-    resumed = subprocess.run([*FEDAVAL, "train", "--resume", str(killed), "--quiet"], capture_output=True, text=True, env=env)
+    resumed = subprocess.run(
+        [*FEDAVAL, "train", "--resume", str(killed), "--quiet"], capture_output=True, text=True, env=env
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming at round" in resumed.stdout
     assert results_of(killed) == results_of(tmp_path / "whole")
@@ -74,8 +78,8 @@ def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_results(tmp_path, m
 def test_resume_from_any_round_matches_the_whole_run(tiny_config, tmp_path, settings):
     from fedaval import checkpoint
     from fedaval.api import run_training
-    from fedaval.coordinator import train
     from fedaval.build import build_run
+    from fedaval.coordinator import train
 
     config = tiny_config(out=str(tmp_path / "whole"), rounds_per_task=3, keep_checkpoints=100, **settings)
     whole = strip_timing(run_training(config))

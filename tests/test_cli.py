@@ -53,7 +53,9 @@ def test_train_writes_the_run_folder(tmp_path):
     assert "final global accuracy:" in result.output
     results = json.loads((out / "results.json").read_text())
     config = json.loads((out / "config.json").read_text())
-    assert config["scenario"] == "fcil-sync" and config["scenario_options"] == {} and config["plugin_options"]["fcil-sync"]
+    assert (
+        config["scenario"] == "fcil-sync" and config["scenario_options"] == {} and config["plugin_options"]["fcil-sync"]
+    )
     assert [r["round"] for r in results["rounds"]] == [1, 2]
     for record in results["rounds"]:
         for key in ("task", "global_accuracy", "mean_client_accuracy", "bytes_up", "bytes_down", "seconds"):
@@ -87,7 +89,10 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
         (["-o", "gamma"], "bad option 'gamma'"),
         (["-o", "nosuch.key=1"], "options given for nosuch"),
         (["--scenario", "fcil-async", "-o", "fcil-async.consensus=1.5"], "fcil-async.consensus=1.5; must be in [0, 1]"),
-        (["--scenario", "sthfl", "-o", "sthfl.classes_per_task=11"], "bad classes per task 11; the dataset has 10 classes"),
+        (
+            ["--scenario", "sthfl", "-o", "sthfl.classes_per_task=11"],
+            "bad classes per task 11; the dataset has 10 classes",
+        ),
         (["--dataset", "cifar10", "--data-root", "/nonexistent/x"], "--data-root '/nonexistent/x' does not exist"),
         (["--dataset", "cifar10"], "needs --data-root"),
         (["--dataset", "nosuch"], "unknown dataset 'nosuch'"),

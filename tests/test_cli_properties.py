@@ -47,10 +47,20 @@ OPTIONS = {
     "--scenario": st.sampled_from(["fcil-sync", "fcil-async", "sthfl", "fcl-random", "nosuch"]),
     "--dataset": st.sampled_from(["digits", "nosuch", "cifar10"]),
     "--model": st.sampled_from(["auto", "mlp", "cnn", "vgg"]),
-    "--plugins": st.sampled_from(["fedavg", "fedprox", "fedrep", "gldp,fedrep", "fednova,gldp", "nosuch", "os:path",
-                                  "fedlwf,fedreplay"]),
-    "-o": st.sampled_from(["fedprox.mu=abc", "fedprox.mu=-1", "fedprox.mu=0.1", "nosuch.x=1", "noequals", "x=1",
-                           "avalanche.ewc_lambda=abc"]),
+    "--plugins": st.sampled_from(
+        ["fedavg", "fedprox", "fedrep", "gldp,fedrep", "fednova,gldp", "nosuch", "os:path", "fedlwf,fedreplay"]
+    ),
+    "-o": st.sampled_from(
+        [
+            "fedprox.mu=abc",
+            "fedprox.mu=-1",
+            "fedprox.mu=0.1",
+            "nosuch.x=1",
+            "noequals",
+            "x=1",
+            "avalanche.ewc_lambda=abc",
+        ]
+    ),
 }
 SCENARIO_OPTIONS = st.sampled_from(["clients", "tasks"]).flatmap(
     lambda key: st.integers(min_value=-1, max_value=6).map(lambda v: f"{key}={v}")
@@ -65,8 +75,14 @@ def stub_training():
     import fedaval.api
 
     def fake_train(run, results, show_progress):
-        return {"plugins": run.plugins.names, "config": run.config.to_dict(), "scenario": {"num_tasks": run.num_tasks},
-                "final": {}, "rounds": [], "status": {"state": "complete"}}
+        return {
+            "plugins": run.plugins.names,
+            "config": run.config.to_dict(),
+            "scenario": {"num_tasks": run.num_tasks},
+            "final": {},
+            "rounds": [],
+            "status": {"state": "complete"},
+        }
 
     mp = pytest.MonkeyPatch()
     mp.setattr(fedaval.api, "_train", fake_train)
@@ -74,14 +90,18 @@ def stub_training():
     mp.undo()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(
     chosen=st.dictionaries(st.sampled_from(sorted(OPTIONS)), st.none(), max_size=5).flatmap(
         lambda keys: st.fixed_dictionaries({k: OPTIONS[k] for k in keys})
     ),
     scenario_options=st.lists(SCENARIO_OPTIONS, max_size=2),
 )
-def test_random_options_end_with_status_0_or_2_and_no_traceback(tmp_path_factory, stub_training, chosen, scenario_options):
+def test_random_options_end_with_status_0_or_2_and_no_traceback(
+    tmp_path_factory, stub_training, chosen, scenario_options
+):
     scenario = chosen.get("--scenario", "fcil-sync")
     args = ["train", "--quiet", "--out", str(tmp_path_factory.getbasetemp() / f"prop-{next(_folders)}")]
     if "--device" not in chosen:
@@ -98,4 +118,6 @@ def test_random_options_end_with_status_0_or_2_and_no_traceback(tmp_path_factory
     assert "Traceback" not in result.output
     if result.exit_code == 2:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("fedaval: error: ") or lines[-1].startswith("Error: "), result.stderr
+        assert len(lines) == 1 and lines[0].startswith("fedaval: error: ") or lines[-1].startswith("Error: "), (
+            result.stderr
+        )

@@ -11,11 +11,11 @@ import textwrap
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import Raises
 
 from fedaval import hookimpl
 from fedaval.cli import cli
 from fedaval.errors import RunFailure
-from helpers import Raises
 
 
 class GoesNaN:
@@ -45,8 +45,9 @@ class Probe:
 
     @hookimpl
     def fedaval_round_metrics(self, run, round):
-        self.finite[round] = all(bool(torch.isfinite(v).all()) for v in run.server.model.state_dict().values()
-                                 if v.is_floating_point())
+        self.finite[round] = all(
+            bool(torch.isfinite(v).all()) for v in run.server.model.state_dict().values() if v.is_floating_point()
+        )
         return {}
 
 
@@ -95,13 +96,15 @@ def test_every_client_failing_stops_even_under_drop(tiny_config):
         def fedaval_client_upload(self, run, client):
             raise ValueError(f"bad upload from {client.id}")
 
-    with pytest.raises(RunFailure, match=r"all 2 sampled clients failed in round 1; first: ValueError: bad upload from 0"):
+    with pytest.raises(
+        RunFailure, match=r"all 2 sampled clients failed in round 1; first: ValueError: bad upload from 0"
+    ):
         run_training(tiny_config(), extra_plugins=[AllRaise()])
 
 
 def test_non_finite_fusion_never_reaches_the_global_model(tiny_config):
-    from fedaval.coordinator import train
     from fedaval.build import build_run
+    from fedaval.coordinator import train
 
     class BadFusion:
         @hookimpl
@@ -116,7 +119,7 @@ def test_non_finite_fusion_never_reaches_the_global_model(tiny_config):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-PLUGIN = '''
+PLUGIN = """
 from fedaval import hookimpl
 
 
@@ -127,15 +130,25 @@ class Flaky:
     def fedaval_client_epoch_start(self, run, client, epoch):
         if client.id == 0 and run.round == 3:
             raise RuntimeError("GPU fell off the bus")
-'''
+"""
 
 
 def test_cli_policies(tmp_path, monkeypatch):
     (tmp_path / "flaky_plugin.py").write_text(textwrap.dedent(PLUGIN))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flaky_plugin", raising=False)
-    base = ["train", "--quiet", "--plugins", "fedavg,flaky_plugin:Flaky", "--rounds-per-task", "2",
-            "-o", "fcil-sync.clients=2", "-o", "fcil-sync.tasks=2"]
+    base = [
+        "train",
+        "--quiet",
+        "--plugins",
+        "fedavg,flaky_plugin:Flaky",
+        "--rounds-per-task",
+        "2",
+        "-o",
+        "fcil-sync.clients=2",
+        "-o",
+        "fcil-sync.tasks=2",
+    ]
     runner = CliRunner()
 
     dropped = runner.invoke(cli, [*base, "--out", str(tmp_path / "drop")])

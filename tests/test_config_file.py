@@ -62,7 +62,9 @@ def test_file_values_are_applied(tmp_path, captured):
 
 
 def test_command_line_overrides_the_file(tmp_path, captured):
-    result = invoke("--config", write(tmp_path, FILE), "--lr", "0.2", "--rounds-per-task", "1", "-o", "fcil-sync.tasks=3")
+    result = invoke(
+        "--config", write(tmp_path, FILE), "--lr", "0.2", "--rounds-per-task", "1", "-o", "fcil-sync.tasks=3"
+    )
     assert result.exit_code == 0, result.output
     (settings,) = captured
     assert (settings["lr"], settings["rounds_per_task"], settings["local_epochs"]) == (0.2, 1, 2)
@@ -131,8 +133,19 @@ def test_train_seeds_runs_into_sibling_folders(tmp_path):
     """End to end: two tiny digits runs, each folder records its seed."""
     out = tmp_path / "run"
     result = invoke(
-        "--seeds", "42,1999", "--out", out, "--quiet", "--device", "cpu", "--rounds-per-task", "1",
-        "-o", "fcil-sync.clients=2", "-o", "fcil-sync.tasks=2",
+        "--seeds",
+        "42,1999",
+        "--out",
+        out,
+        "--quiet",
+        "--device",
+        "cpu",
+        "--rounds-per-task",
+        "1",
+        "-o",
+        "fcil-sync.clients=2",
+        "-o",
+        "fcil-sync.tasks=2",
     )
     assert result.exit_code == 0, result.output
     assert result.output.count("final global accuracy") == 2, "each run prints its summary"
@@ -186,5 +199,10 @@ def test_every_preset_parses_and_its_core_options_validate(preset):
 
 def test_presets_cover_each_paper():
     names = {p.name for p in CONFIGS.glob("*.toml")}
-    assert {"gldp-cifar10-sthfl.toml", "fedprok-cifar10-sync.toml", "pfcl-cifar100-random.toml", "hgp-cifar100.toml"} <= names
+    assert {
+        "gldp-cifar10-sthfl.toml",
+        "fedprok-cifar10-sync.toml",
+        "pfcl-cifar100-random.toml",
+        "hgp-cifar100.toml",
+    } <= names
     assert (CONFIGS / "README.md").exists()

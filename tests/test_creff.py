@@ -151,8 +151,15 @@ def creff_run(tmp_path_factory):
 
     probe = Probe()
     config = RunConfig(
-        plugins=[PLUGIN], plugin_options={"creff": SMALL}, dataset="digits", rounds_per_task=2, local_epochs=1,
-        device="cpu", seed=0, out=str(tmp_path_factory.mktemp("creff") / "run"), **STHFL,
+        plugins=[PLUGIN],
+        plugin_options={"creff": SMALL},
+        dataset="digits",
+        rounds_per_task=2,
+        local_epochs=1,
+        device="cpu",
+        seed=0,
+        out=str(tmp_path_factory.mktemp("creff") / "run"),
+        **STHFL,
     )
     results = run_training(config, extra_plugins=[probe])
     return results, probe

@@ -77,12 +77,16 @@ def test_tiny_imagenet_cache_follows_an_edited_annotation_file(tmp_path, cifar10
     for wnid, cls in zip(wnids, ["cat", "dog"]):
         (base / "train" / wnid / "images").mkdir(parents=True)
         for i in range(3):
-            shutil.copy(cifar10_root / "train" / cls / f"000{i}.jpg", base / "train" / wnid / "images" / f"{wnid}_{i}.JPEG")
+            shutil.copy(
+                cifar10_root / "train" / cls / f"000{i}.jpg", base / "train" / wnid / "images" / f"{wnid}_{i}.JPEG"
+            )
         shutil.copy(cifar10_root / "test" / cls / "0000.jpg", base / "val" / "images" / f"val_{wnid}.JPEG")
         lines.append(f"val_{wnid}.JPEG\t{wnid}\t0\t0\t32\t32")
     (base / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
     assert load_dataset("tiny-imagenet", tmp_path).test_y.tolist() == [0, 1]
-    (base / "val" / "val_annotations.txt").write_text("\n".join(line.replace("\tn01", "\tn02") for line in lines) + "\n")
+    (base / "val" / "val_annotations.txt").write_text(
+        "\n".join(line.replace("\tn01", "\tn02") for line in lines) + "\n"
+    )
     assert load_dataset("tiny-imagenet", tmp_path).test_y.tolist() == [1, 1]
 
 

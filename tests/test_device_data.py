@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import strip_timing
 
 
@@ -44,8 +43,8 @@ def test_same_results_on_both_paths(tiny_config, tmp_path, settings):
 
 def test_the_device_path_is_taken_where_it_applies(tiny_config, monkeypatch):
     from fedaval import device_data
-    from fedaval.coordinator import train
     from fedaval.build import build_run
+    from fedaval.coordinator import train
 
     made = []
     original = device_data.DeviceBatches.__init__
@@ -73,8 +72,8 @@ def test_the_device_path_is_taken_where_it_applies(tiny_config, monkeypatch):
 
 def test_saved_clients_refer_to_the_run_data(tiny_config, tmp_path):
     from fedaval import state
-    from fedaval.coordinator import train
     from fedaval.build import build_run
+    from fedaval.coordinator import train
 
     run = build_run(tiny_config())
     train(run)

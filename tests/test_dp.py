@@ -77,10 +77,12 @@ def test_epsilon_matches_the_hand_computed_rdp_bound():
 
 @pytest.mark.parametrize(
     ("key", "value", "message"),
-    [("clip", "0", "bad value dp.clip=0.0; must be > 0"),
-     ("noise", "-1", "bad value dp.noise=-1.0; must be >= 0"),
-     ("delta", "1", "bad value dp.delta=1.0; must be in (0, 1)"),
-     ("delta", "0", "bad value dp.delta=0.0; must be in (0, 1)")],
+    [
+        ("clip", "0", "bad value dp.clip=0.0; must be > 0"),
+        ("noise", "-1", "bad value dp.noise=-1.0; must be >= 0"),
+        ("delta", "1", "bad value dp.delta=1.0; must be in (0, 1)"),
+        ("delta", "0", "bad value dp.delta=0.0; must be in (0, 1)"),
+    ],
 )
 def test_impossible_options_are_one_line_errors(key, value, message):
     with pytest.raises(FedavalUsageError, match=message.replace("(", r"\(").replace(")", r"\)")):

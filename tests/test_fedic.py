@@ -69,7 +69,10 @@ def test_ensemble_and_gated_calibration_by_hand():
 def test_calibration_moves_a_skewed_ensemble_toward_balance():
     # a head-biased ensemble on balanced samples: class 0 (the head, prior 0.7) wins everywhere
     labels = torch.arange(10) % 2
-    ens = torch.stack([torch.full((10,), 1.0), torch.zeros(10)], dim=1) + 0.6 * torch.nn.functional.one_hot(labels).float()
+    ens = (
+        torch.stack([torch.full((10,), 1.0), torch.zeros(10)], dim=1)
+        + 0.6 * torch.nn.functional.one_hot(labels).float()
+    )
     prior = torch.tensor([0.7, 0.3])  # -log: 0.357, 1.204
     raw = ens.argmax(1)
     adjusted = logit_adjust(ens, prior, 1.0).argmax(1)
@@ -140,8 +143,15 @@ def fedic_run(tmp_path_factory):
 
     probe = Probe()
     config = RunConfig(
-        plugins=[PLUGIN], plugin_options={"fedic": SMALL}, dataset="digits", rounds_per_task=2, local_epochs=1,
-        device="cpu", seed=0, out=str(tmp_path_factory.mktemp("fedic") / "run"), **STHFL,
+        plugins=[PLUGIN],
+        plugin_options={"fedic": SMALL},
+        dataset="digits",
+        rounds_per_task=2,
+        local_epochs=1,
+        device="cpu",
+        seed=0,
+        out=str(tmp_path_factory.mktemp("fedic") / "run"),
+        **STHFL,
     )
     return run_training(config, extra_plugins=[probe]), probe
 
@@ -179,10 +189,23 @@ def test_proxy_set_is_balanced_and_held_out(fedic_run):
 
 def test_proxy_missing_classes_is_a_one_line_error(tmp_path):
     # fcil-sync hands out every training sample: nothing is held out
-    line = one_line_error([
-        "train", "--plugins", PLUGIN, "--scenario", "fcil-sync", "-o", "fcil-sync.clients=2", "-o", "fcil-sync.tasks=2",
-        "--rounds-per-task", "1", "--out", str(tmp_path / "run"),
-    ])
+    line = one_line_error(
+        [
+            "train",
+            "--plugins",
+            PLUGIN,
+            "--scenario",
+            "fcil-sync",
+            "-o",
+            "fcil-sync.clients=2",
+            "-o",
+            "fcil-sync.tasks=2",
+            "--rounds-per-task",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     assert "fedic's proxy set lacks classes" in line and "fedic.proxy=train" in line
 
 

@@ -52,8 +52,15 @@ def fedrep_run(tmp_path_factory):
 
     probe = Probe()
     config = RunConfig(
-        plugins=["fedrep"], dataset="digits", scenario="fcil-sync", scenario_options={"clients": 2, "tasks": 2},
-        rounds_per_task=2, local_epochs=3, device="cpu", seed=0, out=str(tmp_path_factory.mktemp("fedrep") / "run"),
+        plugins=["fedrep"],
+        dataset="digits",
+        scenario="fcil-sync",
+        scenario_options={"clients": 2, "tasks": 2},
+        rounds_per_task=2,
+        local_epochs=3,
+        device="cpu",
+        seed=0,
+        out=str(tmp_path_factory.mktemp("fedrep") / "run"),
     )
     results = run_training(config, extra_plugins=[probe])
     return results, probe
@@ -86,8 +93,11 @@ def test_explicit_epochs(tiny_config):
     from fedaval.errors import FedavalUsageError
 
     with pytest.raises(FedavalUsageError, match="fedrep.head_epochs=2 \\+ fedrep.body_epochs=2"):
-        run_training(tiny_config(plugins=["fedrep"], plugin_options={"fedrep": {"head_epochs": 2, "body_epochs": 2}},
-                                 local_epochs=3))
+        run_training(
+            tiny_config(
+                plugins=["fedrep"], plugin_options={"fedrep": {"head_epochs": 2, "body_epochs": 2}}, local_epochs=3
+            )
+        )
 
 
 def test_global_head_is_the_mean_of_the_rounds_client_heads_for_evaluation_only(tmp_path):
@@ -114,9 +124,17 @@ def test_global_head_is_the_mean_of_the_rounds_client_heads_for_evaluation_only(
 
     def run(out, **options):
         config = RunConfig(
-            plugins=["fedrep"], plugin_options={"fedrep": options}, dataset="digits", scenario="fcil-sync",
-            scenario_options={"clients": 3, "tasks": 1}, rounds_per_task=5, local_epochs=3, lr=0.1,
-            device="cpu", seed=0, out=str(tmp_path / out),
+            plugins=["fedrep"],
+            plugin_options={"fedrep": options},
+            dataset="digits",
+            scenario="fcil-sync",
+            scenario_options={"clients": 3, "tasks": 1},
+            rounds_per_task=5,
+            local_epochs=3,
+            lr=0.1,
+            device="cpu",
+            seed=0,
+            out=str(tmp_path / out),
         )
         return run_training(config, extra_plugins=[Check()] if not options else [])
 

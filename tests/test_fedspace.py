@@ -84,9 +84,17 @@ def test_server_fuses_uploads_and_sends_the_bank_to_out_of_date_clients_only():
     assert plugin.fedaval_server_download(run=None, client=client0, download={}) is None  # up to date
     assert plugin.fedaval_server_download(run=None, client=client1, download={}) is not None
     # a later upload of class 0 replaces it (newer feature space); class 5 joins
-    plugin.fedaval_server_fuse(run=None, uploads=[
-        Upload(1, 10, {PROTOTYPES: {0: T([1.0, 1.0]), 5: T([2.0, 2.0])}, RADII: {0: T(0.0), 5: T(1.0)},
-                       COUNTS: {0: 2, 5: 2}})], round=2)
+    plugin.fedaval_server_fuse(
+        run=None,
+        uploads=[
+            Upload(
+                1,
+                10,
+                {PROTOTYPES: {0: T([1.0, 1.0]), 5: T([2.0, 2.0])}, RADII: {0: T(0.0), 5: T(1.0)}, COUNTS: {0: 2, 5: 2}},
+            )
+        ],
+        round=2,
+    )
     sent = plugin.fedaval_server_download(run=None, client=client0, download={})
     assert sorted(sent[PROTOTYPES]) == [0, 5] and torch.equal(sent[PROTOTYPES][0], T([1.0, 1.0]))
 
@@ -122,8 +130,9 @@ class Probe:
             old = [c for c in sorted(bank) if c not in client.tasks.classes[client.task]]
             outside = torch.get_rng_state()
             torch.set_rng_state(state)
-            pseudo, labels = pseudo_features(torch.stack([bank[c][0] for c in old]),
-                                             torch.stack([bank[c][1] for c in old]), old, len(batch.y))
+            pseudo, labels = pseudo_features(
+                torch.stack([bank[c][0] for c in old]), torch.stack([bank[c][1] for c in old]), old, len(batch.y)
+            )
             torch.set_rng_state(outside)
             expected = pseudo_feature_loss(client.model.classifier(pseudo), labels)
             self.draws.append((client.id, term.item(), expected.item()))
@@ -131,8 +140,13 @@ class Probe:
 
 
 def fcil_async_config(tiny_config, **overrides):
-    return tiny_config(plugins=[PLUGIN], scenario="fcil-async", scenario_options={"clients": 2, "tasks": 3},
-                       rounds_per_task=1, **overrides)
+    return tiny_config(
+        plugins=[PLUGIN],
+        scenario="fcil-async",
+        scenario_options={"clients": 2, "tasks": 3},
+        rounds_per_task=1,
+        **overrides,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +154,13 @@ def fedspace_run(tmp_path_factory):
     from helpers import tiny_run_config
 
     probe = Probe()
-    config = tiny_run_config(tmp_path_factory.mktemp("fedspace") / "run", plugins=[PLUGIN], scenario="fcil-async",
-                             scenario_options={"clients": 2, "tasks": 3}, rounds_per_task=1)
+    config = tiny_run_config(
+        tmp_path_factory.mktemp("fedspace") / "run",
+        plugins=[PLUGIN],
+        scenario="fcil-async",
+        scenario_options={"clients": 2, "tasks": 3},
+        rounds_per_task=1,
+    )
     return run_training(config, extra_plugins=[probe]), probe
 
 
@@ -163,7 +182,8 @@ def test_uploads_are_each_task_classes_and_counted_in_bytes(fedspace_run):
             dim = next(iter(u.get(PROTOTYPES).values())).numel()
             assert payload_nbytes(entries) == 3 * 8 + len(classes) * (8 + 4 * dim + 8 + 4 + 16)
     assert results["rounds"][-1]["plugin_metrics"]["fedspace"]["fedspace_bank_classes"] == len(
-        {c for client in run.clients for t in client.tasks.classes for c in t})
+        {c for client in run.clients for t in client.tasks.classes for c in t}
+    )
 
 
 def test_bank_reaches_clients_only_when_it_changed(fedspace_run):
@@ -189,14 +209,18 @@ def test_weight_zero_switches_the_augmentation_off(tiny_config):
     assert not any("loss/fedspace_pseudo_ce" in r["losses"] for r in results["rounds"])
 
 
-@pytest.mark.parametrize("scenario,options", [
-    ("fcl-random", {"clients": 3, "min_tasks": 2, "max_tasks": 3}),
-    ("fcil-sync", {"clients": 2, "tasks": 2}),
-    ("sthfl", {"clients": 3, "tasks": 2}),
-])
+@pytest.mark.parametrize(
+    "scenario,options",
+    [
+        ("fcl-random", {"clients": 3, "min_tasks": 2, "max_tasks": 3}),
+        ("fcil-sync", {"clients": 2, "tasks": 2}),
+        ("sthfl", {"clients": 3, "tasks": 2}),
+    ],
+)
 def test_runs_in_the_other_scenarios(tiny_config, scenario, options):
-    results = run_training(tiny_config(plugins=[PLUGIN], scenario=scenario, scenario_options=options,
-                                       rounds_per_task=1))
+    results = run_training(
+        tiny_config(plugins=[PLUGIN], scenario=scenario, scenario_options=options, rounds_per_task=1)
+    )
     assert results["status"]["state"] == "complete"
     assert any("loss/fedspace_pseudo_ce" in r["losses"] for r in results["rounds"] if r["task"] > 0)
 

@@ -43,7 +43,10 @@ class Probe:
         if epoch == 0:
             layer = next(iter(decomposed_layers(client.model).values()))
             self.kb_in_model[(client.id, run.round)] = (
-                layer.kb_used, layer.kb[0].clone(), layer.alpha.detach().clone(), layer.base.detach().clone()
+                layer.kb_used,
+                layer.kb[0].clone(),
+                layer.alpha.detach().clone(),
+                layer.base.detach().clone(),
             )
 
     @hookimpl

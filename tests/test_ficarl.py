@@ -58,8 +58,9 @@ def test_herded_mean_is_closer_to_the_class_mean_than_random_subsets():
     phi = torch.nn.functional.normalize(torch.randn(200, 8, generator=g) + 1.0, dim=1)
     target = phi.mean(0)
     herded_error = (phi[herding_order(phi, 10)].mean(0) - target).norm()
-    random_errors = torch.stack([(phi[torch.randperm(200, generator=g)[:10]].mean(0) - target).norm()
-                                 for _ in range(200)])
+    random_errors = torch.stack(
+        [(phi[torch.randperm(200, generator=g)[:10]].mean(0) - target).norm() for _ in range(200)]
+    )
     assert herded_error < random_errors.min()
 
 
@@ -161,8 +162,12 @@ def ficarl_run(tmp_path_factory):
 
     probe = Probe()
     config = tiny_run_config(
-        tmp_path_factory.mktemp("ficarl") / "run", plugins=[PLUGIN], plugin_options={"ficarl": {"memory_size": K}},
-        scenario_options={"clients": 2, "tasks": 3, "alpha": 100.0}, rounds_per_task=1, lr=0.1,
+        tmp_path_factory.mktemp("ficarl") / "run",
+        plugins=[PLUGIN],
+        plugin_options={"ficarl": {"memory_size": K}},
+        scenario_options={"clients": 2, "tasks": 3, "alpha": 100.0},
+        rounds_per_task=1,
+        lr=0.1,
     )
     results = run_training(config, extra_plugins=[probe])
     return results, probe
@@ -223,7 +228,9 @@ def test_distillation_from_the_second_task_against_the_received_model(ficarl_run
     last = run.num_tasks - 1
     for client in run.clients:
         teacher, old = client.stash[TEACHER]
-        assert old == sorted({c for t in range(last) for c in client.tasks.classes[t]} - set(client.tasks.classes[last]))
+        assert old == sorted(
+            {c for t in range(last) for c in client.tasks.classes[t]} - set(client.tasks.classes[last])
+        )
         received = probe.received[(client.id, run.rounds_of_task(last)[0])]
         state = teacher.state_dict()
         assert all(torch.equal(state[key], value) for key, value in received.items())
@@ -265,14 +272,24 @@ def test_clients_evaluated_by_nearest_mean_global_by_taught_head(ficarl_run):
     assert results["rounds"][-1]["global_accuracy"] == pytest.approx(correct / total)
 
 
-@pytest.mark.parametrize("scenario,options", [
-    ("fcil-async", {"clients": 2, "tasks": 2}),
-    ("fcl-random", {"clients": 2, "min_tasks": 2, "max_tasks": 2}),
-    ("sthfl", {"clients": 3, "tasks": 2}),
-])
+@pytest.mark.parametrize(
+    "scenario,options",
+    [
+        ("fcil-async", {"clients": 2, "tasks": 2}),
+        ("fcl-random", {"clients": 2, "min_tasks": 2, "max_tasks": 2}),
+        ("sthfl", {"clients": 3, "tasks": 2}),
+    ],
+)
 def test_runs_in_the_other_scenarios(tiny_config, scenario, options):
-    results = run_training(tiny_config(plugins=[PLUGIN], plugin_options={"ficarl": {"memory_size": 20}},
-                                       scenario=scenario, scenario_options=options, rounds_per_task=1))
+    results = run_training(
+        tiny_config(
+            plugins=[PLUGIN],
+            plugin_options={"ficarl": {"memory_size": 20}},
+            scenario=scenario,
+            scenario_options=options,
+            rounds_per_task=1,
+        )
+    )
     assert results["status"]["state"] == "complete"
     assert any("loss/ficarl_distillation" in r["losses"] for r in results["rounds"] if r["task"] > 0)
 
@@ -290,8 +307,11 @@ def test_ablations_switch_off_distillation_and_nme(tiny_config):
 
     probe = Probe()
     results = run_training(
-        tiny_config(plugins=[PLUGIN], plugin_options={"ficarl": {"memory_size": 20, "distillation": False,
-                                                                 "nme": False}}, rounds_per_task=1),
+        tiny_config(
+            plugins=[PLUGIN],
+            plugin_options={"ficarl": {"memory_size": 20, "distillation": False, "nme": False}},
+            rounds_per_task=1,
+        ),
         extra_plugins=[probe],
     )
     assert not any("loss/ficarl_distillation" in r["losses"] for r in results["rounds"])

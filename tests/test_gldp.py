@@ -278,8 +278,15 @@ def gldp_run(tmp_path_factory):
             plugin_holder["run"] = run
 
     config = RunConfig(
-        plugins=["gldp"], plugin_options={"gldp": {"t": 1, "s": 2}}, dataset="digits", rounds_per_task=2,
-        local_epochs=3, device="cpu", seed=0, out=str(tmp_path_factory.mktemp("gldp") / "run"), **STHFL,
+        plugins=["gldp"],
+        plugin_options={"gldp": {"t": 1, "s": 2}},
+        dataset="digits",
+        rounds_per_task=2,
+        local_epochs=3,
+        device="cpu",
+        seed=0,
+        out=str(tmp_path_factory.mktemp("gldp") / "run"),
+        **STHFL,
     )
     results = run_training(config, extra_plugins=[probe, Keep()])
     return results, probe, plugin_holder["gldp"], plugin_holder["run"]
@@ -351,8 +358,13 @@ def test_one_stage_run_uses_both_terms_and_evaluates_with_prototypes(tiny_config
             return scores
 
     results = run_training(
-        tiny_config(plugins=["gldp"], local_epochs=3, rounds_per_task=3, scenario="sthfl",
-                    scenario_options={"clients": 3, "classes_per_task": 3, "tasks": 1, "imbalance": 2.0}),
+        tiny_config(
+            plugins=["gldp"],
+            local_epochs=3,
+            rounds_per_task=3,
+            scenario="sthfl",
+            scenario_options={"clients": 3, "classes_per_task": 3, "tasks": 1, "imbalance": 2.0},
+        ),
         extra_plugins=[Watch()],
     )
     rounds = results["rounds"]

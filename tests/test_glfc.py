@@ -52,8 +52,11 @@ def glfc_run(tmp_path_factory, name, plugin):
 
     probe = Probe()
     config = tiny_run_config(
-        tmp_path_factory.mktemp(name) / "run", plugins=[plugin], plugin_options={"glfc": dict(OPTIONS)},
-        lr=0.1, local_epochs=2,  # digits' defaults: the global model learns each task (its entropy falls)
+        tmp_path_factory.mktemp(name) / "run",
+        plugins=[plugin],
+        plugin_options={"glfc": dict(OPTIONS)},
+        lr=0.1,
+        local_epochs=2,  # digits' defaults: the global model learns each task (its entropy falls)
     )
     return run_training(config, extra_plugins=[probe]), probe
 
@@ -145,6 +148,7 @@ def test_the_memory_brings_old_classes_into_task_1_and_the_criterion_compensates
 
 
 def test_bad_teacher_option_is_a_one_line_error(tmp_path):
-    line = one_line_error(["train", "--plugins", "fedaval.plugins.glfc:GLFC", "-o", "glfc.teacher=worst",
-                           "--out", str(tmp_path / "r")])
+    line = one_line_error(
+        ["train", "--plugins", "fedaval.plugins.glfc:GLFC", "-o", "glfc.teacher=worst", "--out", str(tmp_path / "r")]
+    )
     assert "glfc.teacher" in line and "best|last" in line

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from fedaval import hookimpl
+from fedaval.build import build_run
 from fedaval.coordinator import run_round
 from fedaval.errors import FedavalUsageError
 from fedaval.plugins.fedavg import weighted_average
 from fedaval.plugins.hgp import client_features
-from fedaval.build import build_run
 
 pytestmark = pytest.mark.slow  # whole trainings
 
@@ -132,8 +132,12 @@ def test_weights_option_loads_a_checkpoint_without_warning(tiny_config, tmp_path
 
 @pytest.mark.parametrize(
     "options, message",
-    [({"covariance": "spherical"}, "hgp.covariance"), ({"vit_patch": 3}, "patch"), ({"vit_heads": 5}, "heads"),
-     ({"synthetic_per_class": 0}, "hgp.synthetic_per_class")],
+    [
+        ({"covariance": "spherical"}, "hgp.covariance"),
+        ({"vit_patch": 3}, "patch"),
+        ({"vit_heads": 5}, "heads"),
+        ({"synthetic_per_class": 0}, "hgp.synthetic_per_class"),
+    ],
 )
 def test_bad_options_are_one_line_errors(tiny_config, options, message):
     with pytest.raises(FedavalUsageError, match=message) as info:
@@ -151,14 +155,27 @@ def test_pretrained_efficientnet_backbone_on_cifar10(tiny_config, cifar10_root):
     # the adapter undoes the dataset normalisation and scales to [-1, 1]
     adapter = InputAdapter((0.5, 0.4, 0.3), (0.2, 0.2, 0.25), HALF, HALF, 4)
     pixels = torch.rand(2, 3, 4, 4)
-    normalised = (pixels - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / torch.tensor([0.2, 0.2, 0.25]).view(1, 3, 1, 1)
+    normalised = (pixels - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / torch.tensor([0.2, 0.2, 0.25]).view(
+        1, 3, 1, 1
+    )
     assert torch.allclose(adapter(normalised), pixels * 2 - 1, atol=1e-6)
 
     probe = UploadProbe()
     config = tiny_config(
-        plugins=["hgp"], dataset="imagefolder", data_root=str(cifar10_root), rounds_per_task=1, lr=0.05,
-        plugin_options={"hgp": {"backbone": "efficientnet-lite0", "image_size": 32, "covariance": "diag",
-                                "synthetic_per_class": 32, "rebalance_epochs": 1}},
+        plugins=["hgp"],
+        dataset="imagefolder",
+        data_root=str(cifar10_root),
+        rounds_per_task=1,
+        lr=0.05,
+        plugin_options={
+            "hgp": {
+                "backbone": "efficientnet-lite0",
+                "image_size": 32,
+                "covariance": "diag",
+                "synthetic_per_class": 32,
+                "rebalance_epochs": 1,
+            }
+        },
     )
     run = build_run(config, extra_plugins=[probe])
     model = run.clients[0].model

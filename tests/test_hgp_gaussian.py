@@ -65,8 +65,9 @@ def test_mixture_moments_by_hand():
 
 
 def test_samples_match_the_mixture_mean_and_covariance():
-    a = ClassGaussian(60, torch.tensor([1.0, -2.0, 0.5]),
-                      torch.tensor([[2.0, 0.8, 0.0], [0.8, 1.0, 0.3], [0.0, 0.3, 0.5]]))
+    a = ClassGaussian(
+        60, torch.tensor([1.0, -2.0, 0.5]), torch.tensor([[2.0, 0.8, 0.0], [0.8, 1.0, 0.3], [0.0, 0.3, 0.5]])
+    )
     b = ClassGaussian(20, torch.tensor([-3.0, 1.0, 2.0]), torch.tensor([0.5, 0.2, 1.5]))
     mu, cov = mixture_moments([a, b])
     gen = torch.Generator().manual_seed(0)
@@ -74,6 +75,7 @@ def test_samples_match_the_mixture_mean_and_covariance():
     assert x.shape == (100_000, 3)
     assert torch.allclose(x.mean(0), mu, atol=0.03)
     assert torch.allclose(torch.cov(x.T), cov, atol=0.06)
+
     # the component shares pi = (.75, .25), seen through P(x0 < -1) = sum_m pi_m Phi((-1 - mu_m0) / sigma_m0)
     def phi(z):
         return 0.5 * (1 + math.erf(z / math.sqrt(2)))

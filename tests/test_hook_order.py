@@ -172,11 +172,18 @@ def test_full_hook_order(tiny_config):
     recorder = Recorder()
     run_training(tiny_config(), extra_plugins=[recorder])
     expected = [
-        "register_scenarios", "register_datasets", "register_models",
+        "register_scenarios",
+        "register_datasets",
+        "register_models",
         "setup",
-        "make_model(None)", "shared_keys",
-        "make_model(0)", "shared_keys", "avalanche_plugins(0)",
-        "make_model(1)", "shared_keys", "avalanche_plugins(1)",
+        "make_model(None)",
+        "shared_keys",
+        "make_model(0)",
+        "shared_keys",
+        "avalanche_plugins(0)",
+        "make_model(1)",
+        "shared_keys",
+        "avalanche_plugins(1)",
     ]
     expected += expected_round(1, 0, first=True, last=False)
     expected += expected_round(2, 0, first=False, last=True)

@@ -18,9 +18,18 @@ SPECS = spec_names()
 
 
 def test_the_specs_follow_the_name_rule():
-    run_wide = {"fedaval_setup", "fedaval_make_model", "fedaval_shared_keys", "fedaval_classify",
-                "fedaval_round_metrics", "fedaval_teardown", "fedaval_federation_model",
-                "fedaval_register_scenarios", "fedaval_register_datasets", "fedaval_register_models"}
+    run_wide = {
+        "fedaval_setup",
+        "fedaval_make_model",
+        "fedaval_shared_keys",
+        "fedaval_classify",
+        "fedaval_round_metrics",
+        "fedaval_teardown",
+        "fedaval_federation_model",
+        "fedaval_register_scenarios",
+        "fedaval_register_datasets",
+        "fedaval_register_models",
+    }
     for name in SPECS:
         assert name.startswith(("fedaval_client_", "fedaval_server_")) or name in run_wide, name
 
@@ -72,7 +81,10 @@ class Unmarked:
 
 
 def test_a_misspelt_hook_is_refused_naming_the_closest_spec():
-    with pytest.raises(FedavalUsageError, match="'misspelt' implements 'fedaval_client_los', which is no fedaval hook; did you mean 'fedaval_client_loss'"):
+    with pytest.raises(
+        FedavalUsageError,
+        match="'misspelt' implements 'fedaval_client_los', which is no fedaval hook; did you mean 'fedaval_client_loss'",
+    ):
         load_plugins(get_plugin_manager(), [], {}, extra=[Misspelt()])
 
 

@@ -55,12 +55,39 @@ def test_forgetting_is_against_earlier_task_ends_only():
 def rounds_by_hand():
     base = {"bytes_up": 0, "bytes_down": 0, "seconds": 1.0, "seconds_computation": 0.5}
     return [
-        {**base, "round": 1, "task_end": True, "mean_client_accuracy": 0.8, "global_accuracy": 0.9,
-         "utility": None, "stability": None, "plasticity": 0.9, "seconds_communication": 0.1},
-        {**base, "round": 2, "task_end": False, "mean_client_accuracy": 0.6, "global_accuracy": 0.5,
-         "utility": 0.6, "stability": 0.4, "plasticity": 0.8, "seconds_communication": 0.2},
-        {**base, "round": 3, "task_end": True, "mean_client_accuracy": 0.7, "global_accuracy": 0.45,
-         "utility": 0.4, "stability": 0.3, "plasticity": 0.5, "seconds_communication": 0.3},
+        {
+            **base,
+            "round": 1,
+            "task_end": True,
+            "mean_client_accuracy": 0.8,
+            "global_accuracy": 0.9,
+            "utility": None,
+            "stability": None,
+            "plasticity": 0.9,
+            "seconds_communication": 0.1,
+        },
+        {
+            **base,
+            "round": 2,
+            "task_end": False,
+            "mean_client_accuracy": 0.6,
+            "global_accuracy": 0.5,
+            "utility": 0.6,
+            "stability": 0.4,
+            "plasticity": 0.8,
+            "seconds_communication": 0.2,
+        },
+        {
+            **base,
+            "round": 3,
+            "task_end": True,
+            "mean_client_accuracy": 0.7,
+            "global_accuracy": 0.45,
+            "utility": 0.4,
+            "stability": 0.3,
+            "plasticity": 0.5,
+            "seconds_communication": 0.3,
+        },
     ]
 
 
@@ -141,8 +168,14 @@ def test_tensorboard_has_fedavals_and_avalanches_forgetting(fedavg_run):
         acc = EventAccumulator(str(path))
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
-    assert {"Fed/forgetting", "Fed/bwt", "Fed/global_accuracy", "Fed/average_accuracy",
-            "Fed/seconds_computation", "Fed/seconds_communication"} <= tags
+    assert {
+        "Fed/forgetting",
+        "Fed/bwt",
+        "Fed/global_accuracy",
+        "Fed/average_accuracy",
+        "Fed/seconds_computation",
+        "Fed/seconds_communication",
+    } <= tags
     assert "StreamForgetting/eval_phase/test_stream/global" in tags
 
 
@@ -154,8 +187,20 @@ def pfcl_run(tmp_path_factory):
     return out, run_training(tiny_run_config(out, plugins=["pfcl"]))
 
 
-GLOBAL_FINAL = ("accuracy", "average_accuracy", "forgetting", "bwt", "avalanche_forgetting", "avalanche_bwt",
-                "a_glo", "utility", "stability", "plasticity", "utility_last", "accuracy_matrix")
+GLOBAL_FINAL = (
+    "accuracy",
+    "average_accuracy",
+    "forgetting",
+    "bwt",
+    "avalanche_forgetting",
+    "avalanche_bwt",
+    "a_glo",
+    "utility",
+    "stability",
+    "plasticity",
+    "utility_last",
+    "accuracy_matrix",
+)
 
 
 def test_pfcl_is_judged_by_its_clients_not_the_untrained_server(pfcl_run):
@@ -204,10 +249,16 @@ def test_report_shows_pfcl_client_figures_and_blank_global_columns(pfcl_run, fed
 def test_a_sel_differs_from_a_loc_when_clients_are_sampled(tmp_path):
     from fedaval.api import run_training
 
-    results = run_training(tiny_run_config(
-        tmp_path / "run", plugins=["gldp"], scenario="sthfl",
-        scenario_options={"clients": 4, "tasks": 2}, clients_per_round=2, rounds_per_task=2,
-    ))
+    results = run_training(
+        tiny_run_config(
+            tmp_path / "run",
+            plugins=["gldp"],
+            scenario="sthfl",
+            scenario_options={"clients": 4, "tasks": 2},
+            clients_per_round=2,
+            rounds_per_task=2,
+        )
+    )
     rounds = [r for r in results["rounds"] if r.get("a_sel") is not None]
     assert all(len(r["clients"]) == 2 for r in results["rounds"])
     assert any(r["a_sel"] != pytest.approx(r["a_loc"]) for r in rounds)
@@ -234,8 +285,7 @@ def test_forgetting_when_a_stage_brings_no_class_new_to_the_federation(tmp_path)
     forgetting and BWT come from the columns that exist."""
     from fedaval.api import run_training
 
-    results = run_training(tiny_run_config(tmp_path / "run", scenario="sthfl", scenario_options={},
-                                           rounds_per_task=1))
+    results = run_training(tiny_run_config(tmp_path / "run", scenario="sthfl", scenario_options={}, rounds_per_task=1))
     new = [set(c) for c in results["scenario"]["federation_task_classes"]]
     assert new[2] <= new[0] | new[1], "the setting this test needs: stage 3 adds nothing"
     matrix = results["final"]["accuracy_matrix"]
@@ -259,5 +309,7 @@ def test_a_bad_federation_model_is_a_one_line_error(tmp_path):
     from fedaval.api import run_training
     from fedaval.errors import FedavalUsageError
 
-    with pytest.raises(FedavalUsageError, match="bad value 'server' from fedaval_federation_model; allowed: global, clients"):
+    with pytest.raises(
+        FedavalUsageError, match="bad value 'server' from fedaval_federation_model; allowed: global, clients"
+    ):
         run_training(tiny_run_config(tmp_path / "run", rounds_per_task=1), extra_plugins=[ServerModel()])

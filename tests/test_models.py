@@ -9,7 +9,10 @@ import torchvision
 from fedaval.models import SplitModel, build_model, split_model
 
 
-@pytest.mark.parametrize("name, shape, dim", [("mlp", (1, 8, 8), 64), ("cnn", (3, 32, 32), 128), ("resnet18", (3, 32, 32), 512), ("resnet34", (3, 32, 32), 512)])
+@pytest.mark.parametrize(
+    "name, shape, dim",
+    [("mlp", (1, 8, 8), 64), ("cnn", (3, 32, 32), 128), ("resnet18", (3, 32, 32), 512), ("resnet34", (3, 32, 32), 512)],
+)
 def test_models_expose_features_and_classifier(name, shape, dim):
     model = build_model(name, shape, 10)
     x = torch.randn(2, *shape)

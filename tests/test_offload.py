@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import strip_timing
 
 METHODS = {
     "fedavg": dict(plugins=["fedavg"]),
     # GLDP's round metrics read every client's model from the server side
-    "gldp": dict(plugins=["gldp"], scenario="sthfl", scenario_options={"clients": 4, "tasks": 2, "classes_per_task": 2}),
+    "gldp": dict(
+        plugins=["gldp"], scenario="sthfl", scenario_options={"clients": 4, "tasks": 2, "classes_per_task": 2}
+    ),
     "pfcl": dict(plugins=["pfcl"], scenario="fcl-random", scenario_options={"clients": 4}),
     "replay": dict(plugins=["avalanche:ReplayPlugin"], plugin_options={"avalanche": {"mem_size": "40"}}),
 }
@@ -32,10 +33,12 @@ def test_results_do_not_depend_on_where_clients_wait(tiny_config, tmp_path, meth
 
 
 def test_offloaded_clients_hold_a_pickle_and_come_back_on_use(tiny_config):
-    from fedaval.coordinator import run_round
     from fedaval.build import build_run
+    from fedaval.coordinator import run_round
 
-    run = build_run(tiny_config(scenario_options={"clients": 4, "tasks": 2}, clients_per_round=1, offload_clients="auto"))
+    run = build_run(
+        tiny_config(scenario_options={"clients": 4, "tasks": 2}, clients_per_round=1, offload_clients="auto")
+    )
     assert all(c.offloaded for c in run.clients)  # offloaded as they were built
     assert all("model" not in vars(c) and "strategy" not in vars(c) for c in run.clients)
     run.server.begin_task(0)
@@ -59,11 +62,16 @@ def test_auto_keeps_everyone_live_when_all_train_every_round(tiny_config):
 def test_resume_with_offloaded_clients(tiny_config, tmp_path):
     from fedaval import checkpoint
     from fedaval.api import run_training
-    from fedaval.coordinator import train
     from fedaval.build import build_run
+    from fedaval.coordinator import train
 
-    config = tiny_config(out=str(tmp_path / "whole"), scenario_options={"clients": 4, "tasks": 2}, clients_per_round=2,
-                         offload_clients="disk", keep_checkpoints=10)
+    config = tiny_config(
+        out=str(tmp_path / "whole"),
+        scenario_options={"clients": 4, "tasks": 2},
+        clients_per_round=2,
+        offload_clients="disk",
+        keep_checkpoints=10,
+    )
     whole = strip_timing(run_training(config))
     run = build_run(config, out_dir=tmp_path / "resumed")
     results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", 3))

@@ -31,7 +31,9 @@ def test_largest_remainder_sums_exactly():
 
 def test_sthfl_promises():
     targets = balanced_targets(10, 200)
-    part = P.sthfl(targets, 10, num_clients=6, classes_per_task=3, num_tasks=2, imbalance=10, rng=np.random.default_rng(1))
+    part = P.sthfl(
+        targets, 10, num_clients=6, classes_per_task=3, num_tasks=2, imbalance=10, rng=np.random.default_rng(1)
+    )
     assert_disjoint(part)
     totals = [sum(len(i) for i in c.indices) for c in part.clients]
     assert len(set(totals)) == 1 and totals[0] > 0, totals  # equal samples per client
@@ -111,10 +113,12 @@ def test_fcil_sync_uses_every_sample_once_and_shares_class_order():
 
 def test_fcil_sync_dirichlet_concentrates_with_small_alpha():
     targets = balanced_targets(4, 1000)
+
     def max_share(alpha):
         part = P.fcil_sync(targets, 4, 5, 1, alpha, np.random.default_rng(3))
         sizes = np.array([len(c.indices[0]) for c in part.clients])
         return sizes.max() / sizes.sum()
+
     assert max_share(0.05) > max_share(100.0)
     assert max_share(100.0) < 0.3  # near-uniform split over 5 clients
 
@@ -127,8 +131,15 @@ def held_classes(part):
 def test_fcil_async_consensus_is_a_fraction_of_each_clients_classes(consensus, common, unique):
     """FedProK: 50 classes per client, gamma 0.2 -> 10 common + 40 unique; 0.5 -> 25 + 25."""
     targets = balanced_targets(100, 5)  # CIFAR-100-like labels
-    part = P.fcil_async(targets, 100, num_clients=2, num_tasks=5, consensus=consensus,
-                        rng=np.random.default_rng(0), classes_per_client=50)
+    part = P.fcil_async(
+        targets,
+        100,
+        num_clients=2,
+        num_tasks=5,
+        consensus=consensus,
+        rng=np.random.default_rng(0),
+        classes_per_client=50,
+    )
     assert_disjoint(part)
     held = held_classes(part)
     assert [len(h) for h in held] == [50, 50]
@@ -169,7 +180,9 @@ def test_fcil_async_paper_setting_too_big_for_the_dataset():
 
 def test_fcl_random_lengths_and_sharing():
     targets = balanced_targets(10, 30)
-    part = P.fcl_random(targets, 10, num_clients=6, classes_per_task=2, min_tasks=1, max_tasks=4, rng=np.random.default_rng(2))
+    part = P.fcl_random(
+        targets, 10, num_clients=6, classes_per_task=2, min_tasks=1, max_tasks=4, rng=np.random.default_rng(2)
+    )
     assert_disjoint(part)
     lengths = [c.num_tasks for c in part.clients]
     assert all(1 <= n <= 4 for n in lengths)

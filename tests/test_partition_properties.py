@@ -70,8 +70,13 @@ def test_sthfl(data, clients, classes_per_task, tasks, imbalance, seed):
 
     values = dict(clients=clients, classes_per_task=classes_per_task, tasks=tasks, imbalance=imbalance)
     targets, num_classes, options, partition, error = run_or_error("sthfl", values, data, seed)
-    valid = (clients >= 1 and tasks >= 1 and 1 <= classes_per_task <= num_classes and imbalance >= 1
-             and classes_per_task + tasks - 1 <= num_classes)
+    valid = (
+        clients >= 1
+        and tasks >= 1
+        and 1 <= classes_per_task <= num_classes
+        and imbalance >= 1
+        and classes_per_task + tasks - 1 <= num_classes
+    )
     if error is not None:
         # the one data-dependent refusal: too few samples of a class for the stages that drew it
         assert not valid or "imbalance factor" in str(error)
@@ -96,8 +101,9 @@ def test_sthfl(data, clients, classes_per_task, tasks, imbalance, seed):
     for client in partition.clients:
         for classes in client.classes:
             slots[classes] += 1
-    even_split = min(sum(kept[c] // slots[c] for classes in client.classes for c in classes)
-                     for client in partition.clients)
+    even_split = min(
+        sum(kept[c] // slots[c] for classes in client.classes for c in classes) for client in partition.clients
+    )
     used = partition.all_indices()
     quota = totals.pop()
     assert quota == partition.summary["samples_per_client"] >= even_split
@@ -123,13 +129,13 @@ def largest_equal_total(partition, kept):
     n = len(pairs) + 1  # x_(k,c) extra samples, then Q
     a_eq = np.zeros((len(drawn), n))
     b_eq = np.zeros(len(drawn))
-    for i, (k, c) in enumerate(pairs):
+    for i, (k, _c) in enumerate(pairs):
         a_eq[k, i] = 1
     for k, client in enumerate(partition.clients):
         a_eq[k, -1] = -1
         b_eq[k] = -sum(len(classes) for classes in client.classes)
     a_ub = np.zeros((len(kept), n))
-    for i, (k, c) in enumerate(pairs):
+    for i, (_k, c) in enumerate(pairs):
         a_ub[c, i] = 1
     b_ub = np.array(kept) - slots
     cost = np.zeros(n)
@@ -192,8 +198,12 @@ def test_fcil_async(data, clients, tasks, consensus, classes_per_client, seed):
 def test_fcl_random(data, clients, classes_per_task, min_tasks, max_tasks, seed):
     values = dict(clients=clients, classes_per_task=classes_per_task, min_tasks=min_tasks, max_tasks=max_tasks)
     targets, num_classes, options, partition, error = run_or_error("fcl-random", values, data, seed)
-    valid = (clients >= 1 and classes_per_task >= 1 and 1 <= min_tasks <= max_tasks
-             and classes_per_task * max_tasks <= num_classes)
+    valid = (
+        clients >= 1
+        and classes_per_task >= 1
+        and 1 <= min_tasks <= max_tasks
+        and classes_per_task * max_tasks <= num_classes
+    )
     if error is not None:
         assert not valid
         assert_one_line_error(error, clients, classes_per_task, min_tasks, max_tasks, num_classes)

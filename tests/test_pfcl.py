@@ -60,8 +60,16 @@ def runs(tmp_path_factory):
 
     def config(plugins, options, name):
         return RunConfig(
-            plugins=plugins, plugin_options=options, scenario="fcl-random", scenario_options=dict(SCENARIO),
-            dataset="digits", rounds_per_task=1, local_epochs=1, batch_size=32, device="cpu", seed=0,
+            plugins=plugins,
+            plugin_options=options,
+            scenario="fcl-random",
+            scenario_options=dict(SCENARIO),
+            dataset="digits",
+            rounds_per_task=1,
+            local_epochs=1,
+            batch_size=32,
+            device="cpu",
+            seed=0,
             out=str(tmp_path_factory.mktemp(name) / "run"),
         )
 
@@ -73,8 +81,11 @@ def runs(tmp_path_factory):
     fedavg = run_training(config(["fedavg"], {}, "fedavg"), extra_plugins=[SameCNN()])
     mixed_probe = LabelProbe()
     mixed = run_training(
-        config(["pfcl"], {"pfcl": {"models": "mlp,cnn", "feature_dim": 16, "memory": "per-class",
-                                   "memory_per_class": 3}}, "mixed"),
+        config(
+            ["pfcl"],
+            {"pfcl": {"models": "mlp,cnn", "feature_dim": 16, "memory": "per-class", "memory_per_class": 3}},
+            "mixed",
+        ),
         extra_plugins=[mixed_probe],
     )
     return {"pfcl": (pfcl, probe), "fedavg": fedavg, "mixed": (mixed, mixed_probe)}
@@ -108,7 +119,6 @@ def test_server_library_keeps_every_class_ever_learned(runs):
 
 def test_memory_fixed_total_policy_and_replay_in_training_batches(runs):
     pfcl, probe = runs["pfcl"]
-    plugin = probe.pfcl
     task_classes = pfcl["scenario"]["client_task_classes"]
     for k, tasks in enumerate(task_classes):
         seen = sorted(c for t in tasks for c in t)
@@ -127,13 +137,14 @@ def test_memory_per_class_policy_and_heterogeneous_backbones(runs):
     from torch import nn
 
     mixed, probe = runs["mixed"]
-    plugin = probe.pfcl
     task_classes = mixed["scenario"]["client_task_classes"]
     for k, tasks in enumerate(task_classes):
         y = probe.memory_labels(k)
         assert Counter(y.tolist()) == Counter({c: 3 for t in tasks for c in t})
         # exemplars are the client's own training samples
-        assert set(probe.stash(k, MEMORY).tolist()) <= {int(i) for t in range(len(tasks)) for i in probe.run.partition.clients[k].indices[t]}
+        assert set(probe.stash(k, MEMORY).tolist()) <= {
+            int(i) for t in range(len(tasks)) for i in probe.run.partition.clients[k].indices[t]
+        }
     # client 0 got the MLP, client 1 the CNN, both with 16-d prototypes
     libraries = [probe.stash(k, LOCAL) for k in (0, 1)]
     assert libraries[0] and all(p.shape == (16,) for lib in libraries for p in lib.values())

@@ -10,11 +10,11 @@ import warnings
 
 import pytest
 from click.testing import CliRunner
+from helpers import Raises, one_line_error, strip_timing
 
 from fedaval import hookimpl
 from fedaval.cli import cli
 from fedaval.errors import RunFailure
-from helpers import Raises, one_line_error, strip_timing
 
 pytestmark = pytest.mark.slow  # whole trainings
 
@@ -75,15 +75,31 @@ METHODS = {
     "fedavg": dict(plugins=["fedavg"]),
     "fedprox": dict(plugins=["fedprox"], plugin_options={"fedprox": {"mu": "0.1"}}),
     "fednova": dict(plugins=["fednova"], local_epochs=2, momentum=0.5),
-    "gldp-sthfl": dict(plugins=["gldp"], scenario="sthfl", scenario_options={"clients": 3, "tasks": 2, "classes_per_task": 2},
-                       local_epochs=2, plugin_options={"gldp": {"predict": "local"}}),
+    "gldp-sthfl": dict(
+        plugins=["gldp"],
+        scenario="sthfl",
+        scenario_options={"clients": 3, "tasks": 2, "classes_per_task": 2},
+        local_epochs=2,
+        plugin_options={"gldp": {"predict": "local"}},
+    ),
     "pfcl-fcl-random": dict(plugins=["pfcl"], scenario="fcl-random", scenario_options={"clients": 2}),
     "fedprok": dict(plugins=["fedprok"], local_epochs=2),
     "fedrep": dict(plugins=["fedrep"], local_epochs=2),
     "apfl": dict(plugins=["apfl"]),
     "fedlwf+fedreplay": dict(plugins=["fedlwf", "fedreplay"], plugin_options={"fedreplay": {"mem_size": "40"}}),
-    "hgp": dict(plugins=["hgp"], plugin_options={"hgp": {"vit_patch": 4, "vit_dim": 32, "vit_depth": 2, "vit_heads": 2,
-                                                          "vit_mlp_dim": 64, "prompt_length": 3}}),
+    "hgp": dict(
+        plugins=["hgp"],
+        plugin_options={
+            "hgp": {
+                "vit_patch": 4,
+                "vit_dim": 32,
+                "vit_depth": 2,
+                "vit_heads": 2,
+                "vit_mlp_dim": 64,
+                "prompt_length": 3,
+            }
+        },
+    ),
     # 2 of 4 clients per round: the others offloaded between rounds
     "sampled": dict(plugins=["fedavg"], clients_per_round=2, scenario_options={"clients": 4, "tasks": 2}),
 }
@@ -101,8 +117,13 @@ def test_ray_gives_the_in_process_results(ray_cluster, tiny_config, tmp_path, se
 def test_tensorboard_is_the_same_on_both_backends(ray_cluster, tiny_config, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    both_backends(tiny_config, tmp_path, plugins=["gldp"], scenario="sthfl",
-                  scenario_options={"clients": 3, "tasks": 2, "classes_per_task": 2})
+    both_backends(
+        tiny_config,
+        tmp_path,
+        plugins=["gldp"],
+        scenario="sthfl",
+        scenario_options={"clients": 3, "tasks": 2, "classes_per_task": 2},
+    )
 
     def scalars(folder):
         found = {}
@@ -123,10 +144,9 @@ def test_tensorboard_is_the_same_on_both_backends(ray_cluster, tiny_config, tmp_
 
 
 def test_the_backend_counts_what_it_sends(ray_cluster, tiny_config, tmp_path):
-    from fedaval.coordinator import train
-    from fedaval.build import build_run
-
     from fedaval.backends import make_backend
+    from fedaval.build import build_run
+    from fedaval.coordinator import train
 
     run = build_run(tiny_config(backend="ray", out=None), out_dir=None)
     backend = make_backend(run)
@@ -143,11 +163,12 @@ def test_a_ray_run_resumes_on_either_backend(ray_cluster, tiny_config, tmp_path)
     checkpoint resumes with Ray or in-process, to the same results."""
     from fedaval import checkpoint
     from fedaval.api import run_training
-    from fedaval.coordinator import train
     from fedaval.build import build_run
+    from fedaval.coordinator import train
 
-    settings = dict(plugins=["fedreplay"], plugin_options={"fedreplay": {"mem_size": "40"}}, rounds_per_task=2,
-                    keep_checkpoints=10)
+    settings = dict(
+        plugins=["fedreplay"], plugin_options={"fedreplay": {"mem_size": "40"}}, rounds_per_task=2, keep_checkpoints=10
+    )
     whole = comparable(run_training(tiny_config(out=str(tmp_path / "whole"), backend="ray", **settings)))
     for backend in ("ray", "local"):
         config = tiny_config(out=str(tmp_path / f"resumed-{backend}"), backend=backend, **settings)
@@ -217,7 +238,9 @@ class RecordsClients:
 def test_client_hooks_changing_plugin_wide_state_stop_the_run(ray_cluster, tiny_config, plugin, attribute):
     from fedaval.api import run_training
 
-    with pytest.raises(RunFailure, match=rf"plugin '{plugin.name}' changed its attribute '{attribute}' during client \d's round"):
+    with pytest.raises(
+        RunFailure, match=rf"plugin '{plugin.name}' changed its attribute '{attribute}' during client \d's round"
+    ):
         run_training(tiny_config(backend="ray"), extra_plugins=[plugin()])
 
 
@@ -250,10 +273,13 @@ def test_an_unreachable_ray_address_is_a_one_line_error(tmp_path):
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    line = one_line_error(["train", "--backend", "ray", "--ray-address", f"127.0.0.1:{port}",
-                           "--out", str(tmp_path / "run"), *FAST])
+    line = one_line_error(
+        ["train", "--backend", "ray", "--ray-address", f"127.0.0.1:{port}", "--out", str(tmp_path / "run"), *FAST]
+    )
     assert f"--ray-address '127.0.0.1:{port}'" in line and "nothing answers" in line
-    line = one_line_error(["train", "--backend", "ray", "--ray-address", "nohost", "--out", str(tmp_path / "r2"), *FAST])
+    line = one_line_error(
+        ["train", "--backend", "ray", "--ray-address", "nohost", "--out", str(tmp_path / "r2"), *FAST]
+    )
     assert "expected host:port" in line
 
 

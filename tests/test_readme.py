@@ -22,8 +22,24 @@ def test_readme_plugin_example_runs(tmp_path, monkeypatch):
     out = tmp_path / "run"
     result = CliRunner().invoke(
         cli,
-        ["train", "--plugins", "mymethod:Prox", "-o", "prox.mu=0.1", "-o", "fcil-sync.clients=2",
-         "-o", "fcil-sync.tasks=2", "--rounds-per-task", "2", "--quiet", "--device", "cpu", "--out", str(out)],
+        [
+            "train",
+            "--plugins",
+            "mymethod:Prox",
+            "-o",
+            "prox.mu=0.1",
+            "-o",
+            "fcil-sync.clients=2",
+            "-o",
+            "fcil-sync.tasks=2",
+            "--rounds-per-task",
+            "2",
+            "--quiet",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
     )
     sys.modules.pop("mymethod", None)
     assert result.exit_code == 0, result.output

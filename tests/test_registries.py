@@ -86,11 +86,29 @@ def extras_module(tmp_path, monkeypatch):
 
 def test_a_third_party_scenario_dataset_and_model_run(extras_module, tmp_path):
     out = tmp_path / "run"
-    result = CliRunner().invoke(cli, [
-        "train", "--plugins", extras_module, "--scenario", "halves", "-o", "halves.clients=3",
-        "--dataset", "even-digits", "--model", "linear", "--rounds-per-task", "1", "--quiet",
-        "--device", "cpu", "--out", str(out),
-    ])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            "--plugins",
+            extras_module,
+            "--scenario",
+            "halves",
+            "-o",
+            "halves.clients=3",
+            "--dataset",
+            "even-digits",
+            "--model",
+            "linear",
+            "--rounds-per-task",
+            "1",
+            "--quiet",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
     assert results["scenario"]["num_tasks"] == 2
@@ -100,10 +118,21 @@ def test_a_third_party_scenario_dataset_and_model_run(extras_module, tmp_path):
 
 
 def test_an_unknown_name_lists_what_plugins_registered(extras_module, tmp_path):
-    result = CliRunner().invoke(cli, [
-        "train", "--plugins", extras_module, "--model", "lineer", "--quiet", "--device", "cpu",
-        "--out", str(tmp_path / "run"),
-    ])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            "--plugins",
+            extras_module,
+            "--model",
+            "lineer",
+            "--quiet",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+    )
     assert result.exit_code == 2
     assert "unknown model 'lineer'" in result.output and "linear" in result.output
 

@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import tiny_run_config
 from PIL import Image
 
 from fedaval.cli import cli
 from fedaval.report import group_runs, load_runs, mean_std, setting_of, write_report
-from helpers import tiny_run_config
-
-
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +87,9 @@ def test_report_writes_valid_png_figures(runs, tmp_path):
 
 
 def test_report_command_prints_the_table_and_writes_into_out_dir(runs, tmp_path):
-    result = CliRunner().invoke(cli, ["report", str(runs["a-s1"]), str(runs["a-s2"]), "--out-dir", str(tmp_path / "rep")])
+    result = CliRunner().invoke(
+        cli, ["report", str(runs["a-s1"]), str(runs["a-s2"]), "--out-dir", str(tmp_path / "rep")]
+    )
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[0].startswith("| method")
     assert {p.name for p in (tmp_path / "rep").iterdir()} >= {"report.md", "report.csv", "accuracy.png"}
@@ -152,11 +152,23 @@ def test_the_papers_numbers_stand_beside_the_measured_ones(runs, tmp_path):
     config.write_text(
         'plugins = ["fedprok"]\n'
         '[paper]\nsource = "a table"\n'
-        '[paper.final_accuracy]\nFedAvg = 18.45\nFedProx = 17.49\nFedProK = 64.34\n'
+        "[paper.final_accuracy]\nFedAvg = 18.45\nFedProx = 17.49\nFedProK = 64.34\n"
         '[paper.runs]\nFedAvg = "-p fedavg"\nFedProx = "-p fedprox"\nFedProK = ""\n'
     )
-    result = CliRunner().invoke(cli, ["report", str(runs["a-s1"]), str(runs["a-s2"]), str(prox),
-                                      "--paper", str(config), "--no-figures", "--out-dir", str(tmp_path / "rep")])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "report",
+            str(runs["a-s1"]),
+            str(runs["a-s2"]),
+            str(prox),
+            "--paper",
+            str(config),
+            "--no-figures",
+            "--out-dir",
+            str(tmp_path / "rep"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     header = next(line for line in lines if line.startswith("| method"))

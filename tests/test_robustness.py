@@ -15,10 +15,10 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from helpers import one_line_error, strip_timing, tiny_run_config
 
 from fedaval import hookimpl
 from fedaval.cli import cli
-from helpers import one_line_error, strip_timing, tiny_run_config
 
 TINY = ["-o", "fcil-sync.clients=2", "-o", "fcil-sync.tasks=2", "--rounds-per-task", "2", "--device", "cpu", "--quiet"]
 
@@ -96,7 +96,6 @@ def test_full_disk_stops_with_one_line_keeps_the_last_good_files_and_resumes(tmp
 
     # the same run uninterrupted gives the same results
     from fedaval.api import run_training
-
     from fedaval.config import RunConfig
 
     settings = json.loads((out / "config.json").read_text())
@@ -139,8 +138,9 @@ class InterruptSetUp:
 
 
 def test_ctrl_c_before_the_first_round_is_one_line(tmp_path):
-    line = one_line_error(["train", "--out", str(tmp_path / "r"), "--plugins", "test_robustness:InterruptSetUp", *TINY],
-                          code=130)
+    line = one_line_error(
+        ["train", "--out", str(tmp_path / "r"), "--plugins", "test_robustness:InterruptSetUp", *TINY], code=130
+    )
     assert "interrupted before the run's first round finished" in line
 
 
@@ -169,8 +169,12 @@ class DefaultMedianFusion:
 
 @pytest.mark.parametrize(
     "plugins, first, second",
-    [("gldp,fedrep", "gldp", "fedrep"), ("fednova,gldp", "fednova", "gldp"), ("hgp,pfcl", "hgp", "pfcl"),
-     ("fednova,test_robustness:MedianFusion", "fednova", "median")],
+    [
+        ("gldp,fedrep", "gldp", "fedrep"),
+        ("fednova,gldp", "fednova", "gldp"),
+        ("hgp,pfcl", "hgp", "pfcl"),
+        ("fednova,test_robustness:MedianFusion", "fednova", "median"),
+    ],
 )
 def test_two_plugins_competing_for_a_firstresult_hook_are_refused(tmp_path, plugins, first, second):
     line = one_line_error(["train", "--out", str(tmp_path / "r"), "--plugins", plugins, *TINY])
@@ -178,8 +182,15 @@ def test_two_plugins_competing_for_a_firstresult_hook_are_refused(tmp_path, plug
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("plugins, extra", [(["fedlwf", "fedreplay"], []), (["fednova"], [DefaultMedianFusion()]),
-                                            (["gldp", "fedprox"], []), (["fedprok", "fedewc"], [])])
+@pytest.mark.parametrize(
+    "plugins, extra",
+    [
+        (["fedlwf", "fedreplay"], []),
+        (["fednova"], [DefaultMedianFusion()]),
+        (["gldp", "fedprox"], []),
+        (["fedprok", "fedewc"], []),
+    ],
+)
 def test_plugins_that_combine_or_declare_a_default_load(plugins, extra):
     from fedaval.plugin_manager import get_plugin_manager, load_plugins
 
@@ -222,7 +233,9 @@ def test_bad_out_folders_are_one_line_errors(tmp_path, monkeypatch):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     assert "is a file, not a folder" in one_line_error(["train", "--out", str(a_file), *TINY])
-    assert f"is under {str(a_file)!r}, which is a file" in one_line_error(["train", "--out", str(a_file / "run"), *TINY])
+    assert f"is under {str(a_file)!r}, which is a file" in one_line_error(
+        ["train", "--out", str(a_file / "run"), *TINY]
+    )
     read_only = tmp_path / "ro"
     read_only.mkdir()
     real_access = os.access
@@ -292,8 +305,18 @@ def test_report_refuses_an_incomplete_run_or_marks_it(two_seeds, tmp_path, with_
     assert f"run {str(short)!r} is not complete ({state}, 1 of 4 rounds)" in line and "--include-incomplete" in line
     assert not (tmp_path / "rep").exists()
 
-    result = CliRunner().invoke(cli, ["report", str(two_seeds / "s1"), str(short), "--out-dir", str(tmp_path / "rep"),
-                                      "--include-incomplete", "--no-figures"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "report",
+            str(two_seeds / "s1"),
+            str(short),
+            "--out-dir",
+            str(tmp_path / "rep"),
+            "--include-incomplete",
+            "--no-figures",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "1,2 (1/4 rounds)" in result.output
     assert f"{two_seeds / 's1'}, {short}" in result.output, "the report says which runs make the row"
@@ -309,8 +332,9 @@ def test_report_refuses_two_runs_with_the_same_seed(two_seeds, tmp_path):
 
 
 def test_report_lists_the_runs_of_each_row(two_seeds, tmp_path):
-    result = CliRunner().invoke(cli, ["report", str(two_seeds / "s1"), str(two_seeds / "s2"), "--out-dir",
-                                      str(tmp_path), "--no-figures"])
+    result = CliRunner().invoke(
+        cli, ["report", str(two_seeds / "s1"), str(two_seeds / "s2"), "--out-dir", str(tmp_path), "--no-figures"]
+    )
     assert result.exit_code == 0, result.output
     assert f"fedavg fcil-sync digits: {two_seeds / 's1'}, {two_seeds / 's2'}" in result.output
     assert results_of(two_seeds / "s1")["status"] == {"state": "complete", "rounds_done": 4, "rounds_total": 4}
@@ -357,7 +381,9 @@ def test_a_loss_term_named_like_the_cores_is_a_one_line_error(tiny_config, term)
     from fedaval.errors import FedavalUsageError
     from fedaval.plugin_manager import get_plugin_manager, load_plugins
 
-    with pytest.raises(FedavalUsageError, match=f"plugin 'term-{term}' declares the local-loss term '{term}', which the core uses"):
+    with pytest.raises(
+        FedavalUsageError, match=f"plugin 'term-{term}' declares the local-loss term '{term}', which the core uses"
+    ):
         load_plugins(get_plugin_manager(), [], {}, extra=[_term_plugin(term, declare=True)])
     with pytest.raises(FedavalUsageError, match=f"a plugin returns the local-loss term '{term}', a name the core uses"):
         run_training(tiny_config(), extra_plugins=[_term_plugin(term, declare=False)])
@@ -369,13 +395,26 @@ def test_two_plugins_declaring_one_loss_term_are_refused():
 
     a, b = _term_plugin("prox", declare=True), _term_plugin("prox", declare=True)
     b.name = "other"
-    with pytest.raises(FedavalUsageError, match="plugin 'other' declares the local-loss term 'prox', which plugin 'term-prox' also declares"):
+    with pytest.raises(
+        FedavalUsageError,
+        match="plugin 'other' declares the local-loss term 'prox', which plugin 'term-prox' also declares",
+    ):
         load_plugins(get_plugin_manager(), [], {}, extra=[a, b])
 
 
 def test_generic_avalanche_options_without_a_type_must_be_numbers(tmp_path):
-    line = one_line_error(["train", "--out", str(tmp_path / "r"), "--plugins", "avalanche:EWCPlugin",
-                           "-o", "avalanche.ewc_lambda=abc", *TINY])
+    line = one_line_error(
+        [
+            "train",
+            "--out",
+            str(tmp_path / "r"),
+            "--plugins",
+            "avalanche:EWCPlugin",
+            "-o",
+            "avalanche.ewc_lambda=abc",
+            *TINY,
+        ]
+    )
     assert "bad value avalanche.ewc_lambda='abc'; expected int or float or bool" in line
 
 
@@ -396,14 +435,23 @@ def test_listed_avalanche_plugins_that_need_a_qp_solver_run(tiny_config):
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert any(dep.startswith("quadprog") for dep in project["dependencies"]), "avalanche:GEMPlugin needs quadprog"
-    results = run_training(tiny_config(plugins=["avalanche:GEMPlugin"], rounds_per_task=1, plugin_options={
-        "avalanche": {"patterns_per_experience": "10", "memory_strength": "0.5"}}))
+    results = run_training(
+        tiny_config(
+            plugins=["avalanche:GEMPlugin"],
+            rounds_per_task=1,
+            plugin_options={"avalanche": {"patterns_per_experience": "10", "memory_strength": "0.5"}},
+        )
+    )
     assert results["status"]["state"] == "complete"
 
 
 def test_every_option_of_every_command_has_help_text():
     from fedaval.cli import cli
 
-    missing = [f"{name} {param.opts[0]}" for name, command in cli.commands.items() for param in command.params
-               if isinstance(param, click.Option) and not param.help]
+    missing = [
+        f"{name} {param.opts[0]}"
+        for name, command in cli.commands.items()
+        for param in command.params
+        if isinstance(param, click.Option) and not param.help
+    ]
     assert missing == []

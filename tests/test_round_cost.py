@@ -45,7 +45,9 @@ def test_resume_rewrites_rounds_jsonl_from_the_checkpoint(tiny_config, tmp_path)
 
     config = tiny_config(out=str(tmp_path / "whole"), rounds_per_task=3, keep_checkpoints=10)
     whole = strip_timing(run_training(config))
-    assert sorted(r for r, _ in checkpoint.saved(tmp_path / "whole")) == [1, 2, 3, 4, 5, 6], "every round, in the background"
+    assert sorted(r for r, _ in checkpoint.saved(tmp_path / "whole")) == [1, 2, 3, 4, 5, 6], (
+        "every round, in the background"
+    )
     assert not list((tmp_path / "whole").rglob("*.tmp"))
 
     resumed_dir = tmp_path / "whole"  # resume in place from round 4: rounds.jsonl holds 6 rounds, must end with 6 again
@@ -67,9 +69,16 @@ def test_a_checkpoint_of_format_1_is_still_read(tiny_config, tmp_path):
     run.round = 1
     path = checkpoint.path_for(tmp_path / "run", 1)
     path.parent.mkdir(parents=True)
-    content = {"format": 1, "round": 1, "task": 0, "clients": run.clients, "server": run.server,
-               "plugins": {name: checkpoint.plugin_state(obj) for name, obj in run.plugins.objects.items()},
-               "rng": rng_state(run.device), "results": {"rounds": [{"round": 1}]}}
+    content = {
+        "format": 1,
+        "round": 1,
+        "task": 0,
+        "clients": run.clients,
+        "server": run.server,
+        "plugins": {name: checkpoint.plugin_state(obj) for name, obj in run.plugins.objects.items()},
+        "rng": rng_state(run.device),
+        "results": {"rounds": [{"round": 1}]},
+    }
     with atomic_file(path) as fh:
         state.dump(run, content, fh)
     fresh = build_run(config, out_dir=tmp_path / "run")
@@ -78,8 +87,8 @@ def test_a_checkpoint_of_format_1_is_still_read(tiny_config, tmp_path):
 
 
 def test_evaluators_keep_no_history_so_state_does_not_grow_with_rounds(tiny_config, tmp_path):
-    from fedaval.api import run_training
     from fedaval import hookimpl
+    from fedaval.api import run_training
 
     class Keep:
         @hookimpl

@@ -74,7 +74,9 @@ def target_run(tmp_path_factory):
 
     probe = Probe()
     config = tiny_run_config(
-        tmp_path_factory.mktemp("target") / "run", plugins=[TARGET], plugin_options={"target": dict(OPTIONS)},
+        tmp_path_factory.mktemp("target") / "run",
+        plugins=[TARGET],
+        plugin_options={"target": dict(OPTIONS)},
         offload_clients="none",
     )
     results = run_training(config, extra_plugins=[TinyCNN(), probe])

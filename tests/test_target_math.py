@@ -82,7 +82,11 @@ def test_generator_loss_weights():
 
 def tiny_bn_model(classes=3):
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
         nn.Linear(4, classes),
     )
 
@@ -106,8 +110,19 @@ def test_synthesize_makes_the_set_and_lowers_the_generator_loss():
         g = Generator((1, 8, 8), noise_dim=8, width=8)
         g.load_state_dict(generator.state_dict())
         return synthesize(
-            teacher, tiny_bn_model(), g, [0, 2], steps=steps, batch_size=8, size=12, lr_generator=0.05,
-            lr_student=0.01, bn_weight=1.0, adv_weight=1.0, temperature=2.0, device=torch.device("cpu"),
+            teacher,
+            tiny_bn_model(),
+            g,
+            [0, 2],
+            steps=steps,
+            batch_size=8,
+            size=12,
+            lr_generator=0.05,
+            lr_student=0.01,
+            bn_weight=1.0,
+            adv_weight=1.0,
+            temperature=2.0,
+            device=torch.device("cpu"),
         )
 
     images, labels, first = run(1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from avalanche.training.plugins import EWCPlugin, LwFPlugin, ReplayPlugin
 
 from fedaval import hookimpl

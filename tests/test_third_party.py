@@ -55,8 +55,24 @@ def test_third_party_plugin_adds_a_loss_term_and_replaces_fusion(tmp_path, monke
     out = tmp_path / "run"
     result = CliRunner().invoke(
         cli,
-        ["train", "--plugins", "mymethod:Shrink", "-o", "shrink.weight=2.0", "-o", "fcil-sync.clients=2",
-         "-o", "fcil-sync.tasks=2", "--rounds-per-task", "1", "--device", "cpu", "--quiet", "--out", str(out)],
+        [
+            "train",
+            "--plugins",
+            "mymethod:Shrink",
+            "-o",
+            "shrink.weight=2.0",
+            "-o",
+            "fcil-sync.clients=2",
+            "-o",
+            "fcil-sync.tasks=2",
+            "--rounds-per-task",
+            "1",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
     )
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())

@@ -3,7 +3,6 @@ schedules, augmentation (fedaval/training.py)."""
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -140,8 +139,10 @@ def test_augmentation_reaches_training_and_is_the_same_on_both_data_paths(tiny_c
     for augment in ("none", "standard"):
         for path in ("device", "loader"):
             probe = BatchProbe()
-            results = run_training(tiny_config(augment=augment, data_path=path, out=str(tmp_path / f"{augment}-{path}")),
-                                   extra_plugins=[probe])
+            results = run_training(
+                tiny_config(augment=augment, data_path=path, out=str(tmp_path / f"{augment}-{path}")),
+                extra_plugins=[probe],
+            )
             runs[(augment, path)] = (strip_timing(results["rounds"]), probe.first)
     assert runs[("standard", "device")][0] == runs[("standard", "loader")][0]
     assert torch.equal(runs[("standard", "device")][1], runs[("standard", "loader")][1])

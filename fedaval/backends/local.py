@@ -2,7 +2,6 @@
 (:func:`client_round`) and its result (:class:`ClientRound`). See
 :mod:`fedaval.backends`."""
 
-
 from __future__ import annotations
 
 import time
@@ -37,7 +36,11 @@ class Backend(Protocol):
     """What the coordinator asks of a backend each round."""
 
     def train_clients(
-        self, run: Run, client_ids: list[int], download: dict[str, Any], round: int,
+        self,
+        run: Run,
+        client_ids: list[int],
+        download: dict[str, Any],
+        round: int,
         extras: dict[int, dict[str, Any]] | None = None,
     ) -> list[ClientRound]:
         """Run round ``round`` on each client of ``client_ids`` (steps 2a-2c of
@@ -79,7 +82,9 @@ def client_round(
         except Exception as exc:  # noqa: BLE001 - the coordinator applies the failure policy
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
             return ClientRound(client.id, failure=reason, error=exc, seconds=seconds)
-    return ClientRound(client.id, losses=losses, upload=Upload(client.id, client.num_samples(), entries), seconds=seconds)
+    return ClientRound(
+        client.id, losses=losses, upload=Upload(client.id, client.num_samples(), entries), seconds=seconds
+    )
 
 
 class LocalBackend:
@@ -88,7 +93,11 @@ class LocalBackend:
     name = "local"
 
     def train_clients(
-        self, run: Run, client_ids: list[int], download: dict[str, Any], round: int,
+        self,
+        run: Run,
+        client_ids: list[int],
+        download: dict[str, Any],
+        round: int,
         extras: dict[int, dict[str, Any]] | None = None,
     ) -> list[ClientRound]:
         extras = extras or {}

@@ -237,8 +237,11 @@ class RayBackend:
         self._token = next(_TOKENS)
         self._slots = self._acquire()  # replicas build while the driver builds its run
         log.info(
-            "--backend ray: %d worker(s), each 1 CPU%s, on a cluster of %g CPU(s) and %g GPU(s)", self.workers,
-            f" and {self.client_gpus:g} GPU" if self.client_gpus else "", resources.get("CPU", 0), resources.get("GPU", 0),
+            "--backend ray: %d worker(s), each 1 CPU%s, on a cluster of %g CPU(s) and %g GPU(s)",
+            self.workers,
+            f" and {self.client_gpus:g} GPU" if self.client_gpus else "",
+            resources.get("CPU", 0),
+            resources.get("GPU", 0),
         )
 
     # --- workers ----------------------------------------------------------
@@ -253,16 +256,18 @@ class RayBackend:
         while len(_POOL.slots) < self.workers:
             actor = actor_class.options(num_cpus=1, num_gpus=self.client_gpus, max_restarts=0).remote(threads=1)
             _POOL.slots.append(_Slot(actor))
-        for slot in _POOL.slots[self.workers:]:
+        for slot in _POOL.slots[self.workers :]:
             ray.kill(slot.actor)
-        del _POOL.slots[self.workers:]
+        del _POOL.slots[self.workers :]
         env = {name: os.environ[name] for name in ENV_PASSED if name in os.environ}
         for slot in _POOL.slots:
             if slot.owner != self._token:
                 try:
                     slot.ready = slot.actor.reset.remote(self.settings, self.extra_plugins, self.device, env)
                 except Exception as exc:  # noqa: BLE001 - an extra plugin object Ray cannot pickle
-                    raise FedavalUsageError(f"--backend ray: a plugin object cannot be sent to the Ray workers: {exc}") from None
+                    raise FedavalUsageError(
+                        f"--backend ray: a plugin object cannot be sent to the Ray workers: {exc}"
+                    ) from None
                 slot.owner = self._token
         return list(_POOL.slots)
 
@@ -270,7 +275,10 @@ class RayBackend:
         """The workers, once their replicas are built; a one-line
         :class:`RunFailure` if one cannot build it (data missing on its
         machine, a plugin it cannot import)."""
-        if any(slot not in _POOL.slots or slot.owner != self._token for slot in self._slots) or len(self._slots) < self.workers:
+        if (
+            any(slot not in _POOL.slots or slot.owner != self._token for slot in self._slots)
+            or len(self._slots) < self.workers
+        ):
             self._slots = self._acquire()  # another run used the pool, or a worker died
         waiting = [slot.ready for slot in self._slots if slot.ready is not None]
         if waiting:
@@ -308,7 +316,11 @@ class RayBackend:
 
     # --- the Backend protocol ---------------------------------------------
     def train_clients(
-        self, run: Run, client_ids: list[int], download: dict[str, Any], round: int,
+        self,
+        run: Run,
+        client_ids: list[int],
+        download: dict[str, Any],
+        round: int,
         extras: dict[int, dict[str, Any]] | None = None,
     ) -> list[ClientRound]:
         """Hand the sampled clients to the workers as they free up; results in ``client_ids`` order."""
@@ -317,8 +329,14 @@ class RayBackend:
         broadcast = transfer.dumps(run, download)
         broadcast_ref = ray.put(broadcast)
         download_key = (self._token, round)
-        traffic: dict[str, float] = {"round": round, "clients": len(client_ids), "broadcast": len(broadcast), "to_workers": 0,
-                   "from_workers": 0, "driver_seconds": time.perf_counter() - start}
+        traffic: dict[str, float] = {
+            "round": round,
+            "clients": len(client_ids),
+            "broadcast": len(broadcast),
+            "to_workers": 0,
+            "from_workers": 0,
+            "driver_seconds": time.perf_counter() - start,
+        }
         queue = list(client_ids)
         running: dict[Any, tuple[_Slot, int]] = {}
         results: dict[int, ClientRound] = {}
@@ -334,9 +352,7 @@ class RayBackend:
                 client = run.clients[k]
                 if getattr(client, "offloaded", False):  # --offload-clients: live again, as in-process
                     client.materialise()
-                sent = transfer.dumps(
-                    run, {"client": client, "extra": (extras or {}).get(k)}
-                )
+                sent = transfer.dumps(run, {"client": client, "extra": (extras or {}).get(k)})
                 traffic["to_workers"] += len(sent)
                 traffic["driver_seconds"] += time.perf_counter() - start
                 ref = slot.actor.train.remote(k, sent, download_key, broadcast_ref, round, run.task)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from fedaval import state
 

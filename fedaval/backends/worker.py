@@ -153,7 +153,9 @@ class Worker:
             self._download = (key, self._loads(data))
         return self._download[1]
 
-    def train(self, client_id: int, client_state: bytes, download_key: Any, download: bytes, round: int, task: int) -> bytes:
+    def train(
+        self, client_id: int, client_state: bytes, download_key: Any, download: bytes, round: int, task: int
+    ) -> bytes:
         """Run round ``round`` of client ``client_id`` from ``client_state``
         (:func:`fedaval.backends.transfer.dumps` of ``{"client", "extra"}``
         on the driver: the client and its own download entries); return the

@@ -45,7 +45,9 @@ class FedavalGroup(click.Group):
             click.echo(f"fedaval: {exc}", err=True)
             ctx.exit(130)
         except KeyboardInterrupt:  # before the first round started (loading data, building clients)
-            click.echo("fedaval: interrupted before the run's first round finished; its folder holds no results", err=True)
+            click.echo(
+                "fedaval: interrupted before the run's first round finished; its folder holds no results", err=True
+            )
             ctx.exit(130)
 
 
@@ -77,71 +79,171 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), is_eager=True,
-              callback=config_file.load_into_context,
-              help="TOML file of these options (see configs/README.md); the command line wins.")
-@click.option("--plugins", "-p", "plugins", multiple=True, default=("fedavg",), show_default=True,
-              help="Method plugins by name or package.module:Class; repeat or comma-separate.")
-@click.option("--option", "-o", "options", multiple=True, metavar="NAME.KEY=VALUE",
-              help="A plugin's or the scenario's option, e.g. -o gldp.lam=0.5 -o sthfl.clients=20.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    is_eager=True,
+    callback=config_file.load_into_context,
+    help="TOML file of these options (see configs/README.md); the command line wins.",
+)
+@click.option(
+    "--plugins",
+    "-p",
+    "plugins",
+    multiple=True,
+    default=("fedavg",),
+    show_default=True,
+    help="Method plugins by name or package.module:Class; repeat or comma-separate.",
+)
+@click.option(
+    "--option",
+    "-o",
+    "options",
+    multiple=True,
+    metavar="NAME.KEY=VALUE",
+    help="A plugin's or the scenario's option, e.g. -o gldp.lam=0.5 -o sthfl.clients=20.",
+)
 @click.option("--scenario", default="fcil-sync", show_default=True, help="Setting; see `fedaval scenarios`.")
-@click.option("--dataset", default="digits", show_default=True,
-              help="digits, mnist, fashion-mnist, cifar10, cifar100, tiny-imagenet or imagefolder.")
+@click.option(
+    "--dataset",
+    default="digits",
+    show_default=True,
+    help="digits, mnist, fashion-mnist, cifar10, cifar100, tiny-imagenet or imagefolder.",
+)
 @click.option("--data-root", default=None, help="Folder holding the dataset (torchvision layout, or train/ and test/).")
 @click.option("--download", is_flag=True, help="Download a torchvision dataset into --data-root if missing.")
-@click.option("--model", default="auto", show_default=True,
-              help="auto (mlp on 8x8 images, else cnn), mlp, cnn, resnet18, resnet34, or a model a plugin registers.")
+@click.option(
+    "--model",
+    default="auto",
+    show_default=True,
+    help="auto (mlp on 8x8 images, else cnn), mlp, cnn, resnet18, resnet34, or a model a plugin registers.",
+)
 @click.option("--rounds-per-task", default=3, show_default=True, type=int, help="Federated rounds per task.")
-@click.option("--local-epochs", default=None, type=int,
-              help="Local epochs per round. Default: 2 on digits, 1 elsewhere.")
+@click.option(
+    "--local-epochs", default=None, type=int, help="Local epochs per round. Default: 2 on digits, 1 elsewhere."
+)
 @click.option("--clients-per-round", default=0, show_default=True, type=int, help="Clients sampled per round (0: all).")
 @click.option("--batch-size", default=32, show_default=True, type=int, help="Minibatch size of local training.")
-@click.option("--lr", default=None, type=float, help="Local SGD learning rate. Default: 0.05 on digits, 0.01 elsewhere.")
+@click.option(
+    "--lr", default=None, type=float, help="Local SGD learning rate. Default: 0.05 on digits, 0.01 elsewhere."
+)
 @click.option("--momentum", default=None, type=float, help="Local SGD momentum. Default: 0 on digits, 0.9 elsewhere.")
 @click.option("--weight-decay", default=1e-4, show_default=True, type=float, help="SGD weight decay (L2), >= 0.")
-@click.option("--optimizer-state", default="reset", show_default=True,
-              help="reset: a fresh optimizer state (momentum) every round, as FedAvg/FedProx/FedNova clients; "
-                   "keep: one state for the whole run.")
-@click.option("--lr-schedule", default="constant", show_default=True,
-              help="Learning rate per global round: constant, cosine or exp (from --lr in round 1 to --lr-min "
-                   "in the last).")
+@click.option(
+    "--optimizer-state",
+    default="reset",
+    show_default=True,
+    help="reset: a fresh optimizer state (momentum) every round, as FedAvg/FedProx/FedNova clients; "
+    "keep: one state for the whole run.",
+)
+@click.option(
+    "--lr-schedule",
+    default="constant",
+    show_default=True,
+    help="Learning rate per global round: constant, cosine or exp (from --lr in round 1 to --lr-min in the last).",
+)
 @click.option("--lr-min", default=1e-4, show_default=True, type=float, help="Last round's learning rate of a decay.")
-@click.option("--augment", default="auto", show_default=True,
-              help="standard: random crop (4-pixel padding) + horizontal flip per training sample; none; "
-                   "auto: standard for CIFAR-10/100, Tiny-ImageNet and small-image folders, none for digits/MNIST.")
-@click.option("--eval-every", default=1, show_default=True, type=int,
-              help="Evaluate every N rounds (and always at the end of each task).")
-@click.option("--utility-lambda", default=0.5, show_default=True, type=float,
-              help="lambda of the continual utility U = lambda*stability + (1-lambda)*plasticity.")
-@click.option("--link-mbps", default=100.0, show_default=True, type=float,
-              help="Link speed in Mbit/s for the communication seconds of the efficiency E (bytes x 8 / speed).")
+@click.option(
+    "--augment",
+    default="auto",
+    show_default=True,
+    help="standard: random crop (4-pixel padding) + horizontal flip per training sample; none; "
+    "auto: standard for CIFAR-10/100, Tiny-ImageNet and small-image folders, none for digits/MNIST.",
+)
+@click.option(
+    "--eval-every",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Evaluate every N rounds (and always at the end of each task).",
+)
+@click.option(
+    "--utility-lambda",
+    default=0.5,
+    show_default=True,
+    type=float,
+    help="lambda of the continual utility U = lambda*stability + (1-lambda)*plasticity.",
+)
+@click.option(
+    "--link-mbps",
+    default=100.0,
+    show_default=True,
+    type=float,
+    help="Link speed in Mbit/s for the communication seconds of the efficiency E (bytes x 8 / speed).",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:<index>.")
-@click.option("--deterministic", is_flag=True,
-              help="Deterministic algorithms only (torch.use_deterministic_algorithms; on CUDA also cuDNN's "
-                   "deterministic kernels and CUBLAS_WORKSPACE_CONFIG): the same results.json twice on a GPU, slower.")
-@click.option("--seed", default=0, show_default=True, type=int,
-              help="Seed of the partition, client sampling, initialisation and data order, in [0, 2**32 - 1].")
-@click.option("--seeds", default=None, metavar="S1,S2,...",
-              help="Run once per seed into sibling folders OUT-s<seed>, e.g. --seeds 42,1999,2024.")
+@click.option(
+    "--deterministic",
+    is_flag=True,
+    help="Deterministic algorithms only (torch.use_deterministic_algorithms; on CUDA also cuDNN's "
+    "deterministic kernels and CUBLAS_WORKSPACE_CONFIG): the same results.json twice on a GPU, slower.",
+)
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Seed of the partition, client sampling, initialisation and data order, in [0, 2**32 - 1].",
+)
+@click.option(
+    "--seeds",
+    default=None,
+    metavar="S1,S2,...",
+    help="Run once per seed into sibling folders OUT-s<seed>, e.g. --seeds 42,1999,2024.",
+)
 @click.option("--out", default=None, help="Run folder (default: runs/<time>-<plugins>-<scenario>-<dataset>-s<seed>).")
-@click.option("--checkpoint-every", default=1, show_default=True, type=int,
-              help="Checkpoint every N rounds (and after the last); 0: never.")
+@click.option(
+    "--checkpoint-every",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Checkpoint every N rounds (and after the last); 0: never.",
+)
 @click.option("--keep-checkpoints", default=2, show_default=True, type=int, help="Checkpoints kept (the newest).")
-@click.option("--on-client-failure", default="drop", show_default=True,
-              help="drop: leave a failing client out of the round's fusion; fail: stop the run.")
-@click.option("--data-path", default="auto", show_default=True,
-              help="device: build minibatches from one copy of the dataset kept on --device (the same batches "
-                   "as loader, faster); loader: Avalanche's DataLoader; auto: device when the dataset fits.")
-@click.option("--offload-clients", default="auto", show_default=True,
-              help="Where clients not sampled next round keep their state: none (live), cpu (a pickle in memory), "
-                   "disk (files in the run folder); auto: cpu when --clients-per-round samples fewer than all.")
-@click.option("--backend", default="local", show_default=True,
-              help="local: clients run in this process; ray: on a Ray cluster (pip install 'fedaval[ray]').")
-@click.option("--client-gpus", default=0.0, show_default=True, type=float,
-              help="--backend ray: the share of one GPU each client's work asks for (e.g. 0.25).")
-@click.option("--ray-address", default=None, help="--backend ray: address of a running Ray cluster (default: start one).")
-@click.option("--resume", "resume_dir", default=None, metavar="RUN_DIR",
-              help="Continue the run in RUN_DIR from its newest checkpoint (takes no other run option).")
+@click.option(
+    "--on-client-failure",
+    default="drop",
+    show_default=True,
+    help="drop: leave a failing client out of the round's fusion; fail: stop the run.",
+)
+@click.option(
+    "--data-path",
+    default="auto",
+    show_default=True,
+    help="device: build minibatches from one copy of the dataset kept on --device (the same batches "
+    "as loader, faster); loader: Avalanche's DataLoader; auto: device when the dataset fits.",
+)
+@click.option(
+    "--offload-clients",
+    default="auto",
+    show_default=True,
+    help="Where clients not sampled next round keep their state: none (live), cpu (a pickle in memory), "
+    "disk (files in the run folder); auto: cpu when --clients-per-round samples fewer than all.",
+)
+@click.option(
+    "--backend",
+    default="local",
+    show_default=True,
+    help="local: clients run in this process; ray: on a Ray cluster (pip install 'fedaval[ray]').",
+)
+@click.option(
+    "--client-gpus",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="--backend ray: the share of one GPU each client's work asks for (e.g. 0.25).",
+)
+@click.option(
+    "--ray-address", default=None, help="--backend ray: address of a running Ray cluster (default: start one)."
+)
+@click.option(
+    "--resume",
+    "resume_dir",
+    default=None,
+    metavar="RUN_DIR",
+    help="Continue the run in RUN_DIR from its newest checkpoint (takes no other run option).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs) -> None:
     """Train a federation and write a run folder (results.json, config.json, checkpoints/, tb/)."""
@@ -149,10 +251,16 @@ def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs
 
     ctx = click.get_current_context()
     if resume_dir is not None:
-        given = [param.opts[0] for param in ctx.command.params if param.name not in ("resume_dir", "quiet")
-                 and ctx.get_parameter_source(param.name) == click.core.ParameterSource.COMMANDLINE]
+        given = [
+            param.opts[0]
+            for param in ctx.command.params
+            if param.name not in ("resume_dir", "quiet")
+            and ctx.get_parameter_source(param.name) == click.core.ParameterSource.COMMANDLINE
+        ]
         if given:
-            raise FedavalUsageError(f"--resume takes no other run option (the run's config.json holds them); got {', '.join(given)}")
+            raise FedavalUsageError(
+                f"--resume takes no other run option (the run's config.json holds them); got {', '.join(given)}"
+            )
         from fedaval.api import resume_training
 
         with sigterm_as_interrupt():
@@ -161,7 +269,9 @@ def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs
     kwargs["plugins"] = split_plugin_specs(plugins)
     kwargs["plugin_options"] = config_file.merge_options(config_file.file_options(ctx), parse_assignments(options))
     kwargs["out"] = out
-    from_cli = {name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE for name in ("seed", "seeds")}
+    from_cli = {
+        name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE for name in ("seed", "seeds")
+    }
     from fedaval.api import check_settings
 
     # every seed's settings and run folder are checked before the first run starts (torch not imported yet)
@@ -208,19 +318,25 @@ def list_scenarios() -> None:
 
 @cli.command("report")
 @click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
-@click.option("--out-dir", default=".", show_default=True,
-              help="Where report.md, report.csv and the PNG figures go.")
+@click.option("--out-dir", default=".", show_default=True, help="Where report.md, report.csv and the PNG figures go.")
 @click.option("--no-figures", is_flag=True, help="Only the tables.")
-@click.option("--include-incomplete", is_flag=True,
-              help="Report runs that stopped before their last round, marked with their rounds (default: refuse them).")
-@click.option("--paper", "paper", default=None, type=click.Path(dir_okay=False, exists=True),
-              help="A config with a [paper] table (configs/repro-*.toml): the paper's numbers beside the measured ones.")
+@click.option(
+    "--include-incomplete",
+    is_flag=True,
+    help="Report runs that stopped before their last round, marked with their rounds (default: refuse them).",
+)
+@click.option(
+    "--paper",
+    "paper",
+    default=None,
+    type=click.Path(dir_okay=False, exists=True),
+    help="A config with a [paper] table (configs/repro-*.toml): the paper's numbers beside the measured ones.",
+)
 def report(run_dirs, out_dir, no_figures, include_incomplete, paper) -> None:
     """Compare runs: a table (mean ± std over seeds) and figures."""
     from fedaval.report import write_report
 
-    result = write_report(run_dirs, out_dir, figures=not no_figures, include_incomplete=include_incomplete,
-                          paper=paper)
+    result = write_report(run_dirs, out_dir, figures=not no_figures, include_incomplete=include_incomplete, paper=paper)
     click.echo(result.table)
     click.echo("runs of each row:\n" + result.grouping)
     click.echo("wrote " + ", ".join(str(p) for p in result.files))

@@ -40,7 +40,6 @@ Readings chosen:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -98,8 +97,9 @@ class APFL(Plugin):
     class Options:
         alpha: float = option(0.5, "initial mixing weight of the personal model", unit_interval)
         adaptive: bool = option(True, "learn alpha by gradient (False: keep it fixed)")
-        alpha_lr: Optional[float] = option(None, "step size of alpha (None: the run's --lr)",
-                                           lambda v: None if v is None or v > 0 else "must be > 0")
+        alpha_lr: float | None = option(
+            None, "step size of alpha (None: the run's --lr)", lambda v: None if v is None or v > 0 else "must be > 0"
+        )
 
     def _personal(self, client):
         if PERSONAL not in client.stash:
@@ -116,8 +116,16 @@ class APFL(Plugin):
 
         lr = round_lr(run.config, run.round, run.total_rounds)  # the round's (--lr-schedule)
         loss, client.stash[ALPHA] = personal_step(
-            client.model, params, buffers, client.stash[ALPHA], batch.x, batch.y, F.cross_entropy,
-            lr=lr, alpha_lr=self.options.alpha_lr or lr, adaptive=self.options.adaptive,
+            client.model,
+            params,
+            buffers,
+            client.stash[ALPHA],
+            batch.x,
+            batch.y,
+            F.cross_entropy,
+            lr=lr,
+            alpha_lr=self.options.alpha_lr or lr,
+            adaptive=self.options.adaptive,
         )
         return {"apfl_personal": loss}
 

@@ -140,8 +140,11 @@ def prototype_entries(upload, feature_dim: int) -> dict[str, dict[int, Any]]:
         if not isinstance(value, dict) or not value:
             continue
         if all(
-            isinstance(c, int) and isinstance(t, torch.Tensor) and t.is_floating_point()
-            and t.dim() == 1 and t.numel() == feature_dim
+            isinstance(c, int)
+            and isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and t.dim() == 1
+            and t.numel() == feature_dim
             for c, t in value.items()
         ):
             found[key] = value
@@ -186,8 +189,17 @@ def attack_upload(run, upload, received: dict, round: int, options: AttackOption
     if weights:
         labels = torch.tensor(frequent_labels(true_labels, options.images))
         rec = invert_update(
-            run.server.model, received, weights, labels, shape, run.data.mean, run.data.std,
-            iterations=options.iterations, tv=tv, step_size=options.step_size, seed=seed,
+            run.server.model,
+            received,
+            weights,
+            labels,
+            shape,
+            run.data.mean,
+            run.data.std,
+            iterations=options.iterations,
+            tv=tv,
+            step_size=options.step_size,
+            seed=seed,
         )
         out.append(("weights", rec, labels))
     model = run.server.model
@@ -202,8 +214,15 @@ def attack_upload(run, upload, received: dict, round: int, options: AttackOption
             continue
         recs = [
             invert_prototype(
-                extractor.features, protos[c], shape, run.data.mean, run.data.std,
-                iterations=options.iterations, tv=0.05 * tv, lr=options.step_size, seed=seed + c,
+                extractor.features,
+                protos[c],
+                shape,
+                run.data.mean,
+                run.data.std,
+                iterations=options.iterations,
+                tv=0.05 * tv,
+                lr=options.step_size,
+                seed=seed + c,
             )
             for c in classes
         ]
@@ -213,11 +232,18 @@ def attack_upload(run, upload, received: dict, round: int, options: AttackOption
         nearest = match_nearest(rec, labels, true, true_labels)
         metrics = image_metrics(true[nearest], rec)
         grid = save_grids(run, round, upload.client_id, kind, true[nearest], rec, options)
-        results.append({
-            "round": round, "task": task, "client": upload.client_id,
-            "kind": kind.split(":")[0], "entry": kind.split(":")[-1], "images": len(rec),
-            **metrics, "grid": grid,
-        })
+        results.append(
+            {
+                "round": round,
+                "task": task,
+                "client": upload.client_id,
+                "kind": kind.split(":")[0],
+                "entry": kind.split(":")[-1],
+                "images": len(rec),
+                **metrics,
+                "grid": grid,
+            }
+        )
     return results
 
 

@@ -96,15 +96,14 @@ class FedEWC(AvalancheBridge):
     class Options:
         ewc_lambda: float = option(1.0, "weight of the EWC penalty", non_negative)
         mode: Literal["separate", "online"] = option("separate", "one penalty per past task, or one decayed penalty")
-        decay_factor: Optional[float] = option(None, "importance decay, required by mode=online")
+        decay_factor: float | None = option(None, "importance decay, required by mode=online")
 
     def __init__(self, options: Any = None):
         super().__init__(options)
         online = self.options.mode == "online"
         if online != (self.options.decay_factor is not None):
             raise FedavalUsageError(
-                f"bad value fedewc.decay_factor={self.options.decay_factor!r}; "
-                "set it exactly when fedewc.mode=online"
+                f"bad value fedewc.decay_factor={self.options.decay_factor!r}; set it exactly when fedewc.mode=online"
             )
 
 
@@ -126,15 +125,13 @@ class FedReplay(AvalancheBridge):
     memory per client) on every client; not FediCaRL."""
 
     name = "fedreplay"
-    description = (
-        "FedReplay: FedAvg + random experience replay (Avalanche ReplayPlugin, 500 per client); not FediCaRL"
-    )
+    description = "FedReplay: FedAvg + random experience replay (Avalanche ReplayPlugin, 500 per client); not FediCaRL"
     avalanche_class = "ReplayPlugin"
 
     @dataclasses.dataclass
     class Options:
         mem_size: int = option(500, "exemplars kept per client (FedProK's paper: 500)", positive)
-        batch_size_mem: Optional[int] = option(None, "memory minibatch size (None: Avalanche's default)")
+        batch_size_mem: int | None = option(None, "memory minibatch size (None: Avalanche's default)")
         task_balanced_dataloader: bool = option(False, "balance memory minibatches over past tasks")
 
 
@@ -153,8 +150,11 @@ def available_avalanche_plugins() -> list[str]:
     return sorted(
         name
         for name, obj in vars(module).items()
-        if inspect.isclass(obj) and issubclass(obj, BasePlugin) and name != "EvaluationPlugin"
-        and obj.__module__.startswith("avalanche.training.plugins") and not name.startswith("_")
+        if inspect.isclass(obj)
+        and issubclass(obj, BasePlugin)
+        and name != "EvaluationPlugin"
+        and obj.__module__.startswith("avalanche.training.plugins")
+        and not name.startswith("_")
     )
 
 
@@ -171,7 +171,7 @@ def load_avalanche_class(class_name: str) -> type:
 
 
 _SCALARS = (bool, int, float, str)
-_ANY_NUMBER = Optional[Union[int, float, bool]]
+_ANY_NUMBER = Optional[int | float | bool]
 
 
 class _Required:
@@ -209,7 +209,7 @@ def option_type(parameter: inspect.Parameter) -> Any | None:
         if scalars and all(a in _SCALARS or a is type(None) for a in args):
             return annotation
         if scalars:  # Union[float, Sequence[float]]: the scalar part
-            return Optional[Union[tuple(scalars)]] if len(scalars) > 1 else Optional[scalars[0]]
+            return Optional[tuple(scalars)] if len(scalars) > 1 else Optional[scalars[0]]
     default = parameter.default
     if default is inspect.Parameter.empty or default is None:
         if annotation is not inspect.Parameter.empty:
@@ -231,8 +231,15 @@ def constructor_options(cls: type) -> type:
         if tp is None:
             continue
         default = REQUIRED if parameter.default is inspect.Parameter.empty else parameter.default
-        fields.append((name, tp, dataclasses.field(default=default, metadata={
-            "help": f"{cls.__name__}({name}=...)", "check": _required_check})))
+        fields.append(
+            (
+                name,
+                tp,
+                dataclasses.field(
+                    default=default, metadata={"help": f"{cls.__name__}({name}=...)", "check": _required_check}
+                ),
+            )
+        )
     return dataclasses.make_dataclass(f"{cls.__name__}Options", fields)
 
 

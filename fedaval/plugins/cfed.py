@@ -69,7 +69,9 @@ class CFeD(Plugin):
     """CFeD: clients learn or review (distillation on surrogate data); the server distils the client ensemble."""
 
     name = "cfed"
-    description = "CFeD: surrogate-data distillation, clients split into learners and reviewers, server ensemble distillation"
+    description = (
+        "CFeD: surrogate-data distillation, clients split into learners and reviewers, server ensemble distillation"
+    )
     loss_terms = ("cfed_kd", "cfed_review")
 
     @dataclass
@@ -77,10 +79,12 @@ class CFeD(Plugin):
         surrogate: str = option("", "unlabelled surrogate dataset (a dataset name: digits, imagefolder, cifar10, ...)")
         surrogate_root: str = option("", "data root of the surrogate dataset (when it needs one)")
         surrogate_classes: list[int] = option([], "use only these classes of the surrogate dataset (empty: all)")
-        surrogate_samples: int = option(1000, "surrogate training images drawn (the pool shared out in shards)",
-                                        _at_least_two)
-        review_fraction: float = option(0.3, "fraction of a round's sampled clients that review old tasks",
-                                        unit_interval)
+        surrogate_samples: int = option(
+            1000, "surrogate training images drawn (the pool shared out in shards)", _at_least_two
+        )
+        review_fraction: float = option(
+            0.3, "fraction of a round's sampled clients that review old tasks", unit_interval
+        )
         kd_weight: float = option(1.0, "weight of the learners' distillation term on surrogate data", non_negative)
         temperature: float = option(2.0, "distillation temperature T", positive)
         server_epochs: int = option(1, "epochs of server-side ensemble distillation per round (0: off)", non_negative)
@@ -175,8 +179,15 @@ class CFeD(Plugin):
                 logits.append(scratch(x))
         seen = sorted({c for t in range(run.now.task + 1) for c in run.federation_task_classes()[t]})
         self.server_loss = distil(
-            run.server.model, x, ensemble_logits(logits), seen, self.options.temperature,
-            self.options.server_epochs, self.options.server_lr, self.options.server_batch_size, self.generator,
+            run.server.model,
+            x,
+            ensemble_logits(logits),
+            seen,
+            self.options.temperature,
+            self.options.server_epochs,
+            self.options.server_lr,
+            self.options.server_batch_size,
+            self.generator,
         )
         return None
 
@@ -272,7 +283,9 @@ def load_surrogate(run, options):
     try:
         data = load_dataset(name, root, False, run.datasets)
     except FedavalUsageError as exc:
-        raise FedavalUsageError(f"cfed.surrogate={name!r}: {exc}".replace("--data-root", "cfed.surrogate_root")) from None
+        raise FedavalUsageError(
+            f"cfed.surrogate={name!r}: {exc}".replace("--data-root", "cfed.surrogate_root")
+        ) from None
     classes = options.surrogate_classes or list(range(data.num_classes))
     bad = [c for c in classes if not 0 <= c < data.num_classes]
     if bad:

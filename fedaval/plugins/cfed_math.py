@@ -92,8 +92,15 @@ def batchnorm_frozen(model: torch.nn.Module) -> Iterator[None]:
 
 
 def distil(
-    student: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, classes: Sequence[int] | None,
-    temperature: float, epochs: int, lr: float, batch_size: int, generator: torch.Generator,
+    student: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    classes: Sequence[int] | None,
+    temperature: float,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    generator: torch.Generator,
 ) -> float:
     """Train ``student`` by SGD to match ``targets`` (teacher logits of
     ``inputs``) with :func:`distillation_loss`, ``epochs`` passes over

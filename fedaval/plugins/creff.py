@@ -96,7 +96,9 @@ class CReFFOptions:
     features_per_class: int = option(100, "federated features per class on the server", _at_least_one)
     match_steps: int = option(100, "SGD steps of gradient matching per round", _at_least_zero)
     feature_lr: float = option(0.1, "learning rate of the federated features", positive)
-    retrain_epochs: int = option(300, "epochs of classifier re-training on the federated features per round", _at_least_zero)
+    retrain_epochs: int = option(
+        300, "epochs of classifier re-training on the federated features per round", _at_least_zero
+    )
     retrain_lr: float = option(0.01, "learning rate of the classifier re-training", positive)
     retrain_batch: int = option(32, "minibatch size of the classifier re-training", _at_least_one)
     retrain_init: Literal["global", "fresh"] = option(
@@ -168,7 +170,9 @@ class CReFF(Plugin):
         for c in sorted(real):
             if c not in self.features:
                 self.features[c] = self.initial_features(run, c, weight.shape[1])
-        self.features, losses = update_federated_features(self.features, real, weight, bias, o.match_steps, o.feature_lr)
+        self.features, losses = update_federated_features(
+            self.features, real, weight, bias, o.match_steps, o.feature_lr
+        )
         self.losses = (losses[0], losses[-1]) if losses else None
         head = run.server.model.classifier
         generator = torch.Generator().manual_seed((run.config.seed * 1_000_003 + 7919 * round) % (2**63))
@@ -208,7 +212,9 @@ class CReFF(Plugin):
         return out or None
 
 
-def fresh_linear(in_features: int, out_features: int, generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+def fresh_linear(
+    in_features: int, out_features: int, generator: torch.Generator, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A new linear layer's ``(weight, bias)`` with PyTorch's default
     initialisation (both uniform in ``[-1/sqrt(in), 1/sqrt(in)]``), drawn
     from ``generator``."""

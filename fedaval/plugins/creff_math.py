@@ -24,7 +24,10 @@ GradientSet = dict[int, torch.Tensor]
 
 
 def classifier_gradient(
-    features: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
     create_graph: bool = False,
 ) -> torch.Tensor:
     """``dL/dW`` of ``L = mean_i CE(W f_i + b, y_i)`` (a client's real-feature
@@ -64,8 +67,9 @@ def matching_distance(synthetic: torch.Tensor, real: torch.Tensor, eps: float = 
     return (1 - dots / (norms + eps)).sum()
 
 
-def class_gradients_closed_form(features: torch.Tensor, classes: torch.Tensor, weight: torch.Tensor,
-                                bias: torch.Tensor | None) -> torch.Tensor:
+def class_gradients_closed_form(
+    features: torch.Tensor, classes: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """The classifier gradients of many classes at once, in closed form:
     ``features`` is ``[C, m, d]`` (m features of each of C classes),
     ``classes`` their C labels; returns ``[C, K, d]`` with
@@ -80,7 +84,9 @@ def class_gradients_closed_form(features: torch.Tensor, classes: torch.Tensor, w
 
 
 def matching_loss(
-    features: Mapping[int, torch.Tensor], real: Mapping[int, torch.Tensor], weight: torch.Tensor,
+    features: Mapping[int, torch.Tensor],
+    real: Mapping[int, torch.Tensor],
+    weight: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """``sum_c D(g_syn^c, g_real^c)`` over the classes with both federated
@@ -99,8 +105,12 @@ def matching_loss(
 
 
 def update_federated_features(
-    features: Mapping[int, torch.Tensor], real: Mapping[int, torch.Tensor], weight: torch.Tensor,
-    bias: torch.Tensor | None, steps: int, lr: float,
+    features: Mapping[int, torch.Tensor],
+    real: Mapping[int, torch.Tensor],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    steps: int,
+    lr: float,
 ) -> tuple[dict[int, torch.Tensor], list[float]]:
     """Optimise the federated features of the classes in ``real`` so the
     gradients they induce on the classifier ``(weight, bias)`` match the real
@@ -125,8 +135,13 @@ def update_federated_features(
 
 
 def retrain_classifier(
-    features: Mapping[int, torch.Tensor], weight: torch.Tensor, bias: torch.Tensor, epochs: int, lr: float,
-    batch_size: int, generator: torch.Generator,
+    features: Mapping[int, torch.Tensor],
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Classifier re-training on the federated features (CReFF's
     classifier re-training):
@@ -144,7 +159,7 @@ def retrain_classifier(
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=generator).to(x.device)
         for start in range(0, len(y), batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             loss = F.cross_entropy(F.linear(x[idx], w, b), y[idx])
             optimizer.zero_grad()
             loss.backward()

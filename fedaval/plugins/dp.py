@@ -179,9 +179,7 @@ def privatise(results: list, received: dict, options: DPOptions, buffers: set[st
         kept = entries.pop("__dp_buffers__", None)
         entries = {key: replace_float_tensors(value, stream) for key, value in entries.items()}
         if kept is not None:
-            weights = {
-                k: (v + received[k].to(v.device)) if k in received else v for k, v in entries["weights"].items()
-            }
+            weights = {k: (v + received[k].to(v.device)) if k in received else v for k, v in entries["weights"].items()}
             if options.buffers == "keep":
                 weights.update(kept)
             entries["weights"] = weights

@@ -15,7 +15,8 @@ plain functions on tensors.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -51,7 +52,10 @@ def global_norm(tensors: list[torch.Tensor]) -> float:
     """``||v||_2`` of the concatenation of ``tensors`` (computed in float64)."""
     if not tensors:
         return 0.0
-    return float(torch.sqrt(sum((t.detach().to(torch.float64) ** 2).sum().cpu() for t in tensors)))
+    total = torch.zeros((), dtype=torch.float64)
+    for t in tensors:
+        total = total + (t.detach().to(torch.float64) ** 2).sum().cpu()
+    return float(torch.sqrt(total))
 
 
 def clip_and_noise(

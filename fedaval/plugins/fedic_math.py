@@ -50,8 +50,13 @@ def gate_values(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def train_gate(
-    features: torch.Tensor, ensemble: torch.Tensor, prior: torch.Tensor, labels: torch.Tensor, tau: float,
-    steps: int, lr: float,
+    features: torch.Tensor,
+    ensemble: torch.Tensor,
+    prior: torch.Tensor,
+    labels: torch.Tensor,
+    tau: float,
+    steps: int,
+    lr: float,
 ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Fit the gate on the labelled, class-balanced proxy set: ``steps``
     full-batch SGD steps (learning rate ``lr``) on the cross-entropy of the
@@ -69,7 +74,9 @@ def train_gate(
         loss.backward()
         optimizer.step()
     with torch.no_grad():
-        losses.append(float(F.cross_entropy(calibrated_logits(ensemble, prior, tau, gate_values(features, w, b)), labels)))
+        losses.append(
+            float(F.cross_entropy(calibrated_logits(ensemble, prior, tau, gate_values(features, w, b)), labels))
+        )
     return w.detach(), b.detach(), losses
 
 
@@ -82,8 +89,15 @@ def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature:
 
 
 def distil(
-    model: torch.nn.Module, x: torch.Tensor, teacher: torch.Tensor, temperature: float, steps: int, lr: float,
-    batch_size: int, generator: torch.Generator, forward=None,
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    teacher: torch.Tensor,
+    temperature: float,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    generator: torch.Generator,
+    forward=None,
 ) -> list[float]:
     """Distil ``teacher`` (logits on the unlabelled ``x``) into ``model``:
     ``steps`` SGD steps (learning rate ``lr``) on :func:`distillation_loss`,

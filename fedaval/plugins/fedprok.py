@@ -131,8 +131,10 @@ class FedProKOptions:
     freeze: bool = option(True, "freeze the feature extractor from task index 1 on (FeTrIL)")
     weight: float = option(1.0, "weight of the pseudo-feature cross-entropy", non_negative)
     head_epochs: int = option(
-        20, "with a frozen extractor: epochs of the classifier on the round's cached real and pseudo features "
-        "after local training (FeTrIL fits its classifier to convergence; 0: off)", non_negative
+        20,
+        "with a frozen extractor: epochs of the classifier on the round's cached real and pseudo features "
+        "after local training (FeTrIL fits its classifier to convergence; 0: off)",
+        non_negative,
     )
     head_lr: float = option(0.1, "learning rate of that classifier fit (0: --lr)", non_negative)
     weighting: Literal["samples", "uniform"] = option(
@@ -216,7 +218,9 @@ class FedProK(Plugin):
         """Reading 6: the paper's union over i < t of the client's own task
         classes, less the classes of its current task."""
         now = set(client.tasks.classes[client.task]) if client.task < client.tasks.num_tasks else set()
-        return sorted({c for t in range(min(client.task, client.tasks.num_tasks)) for c in client.tasks.classes[t]} - now)
+        return sorted(
+            {c for t in range(min(client.task, client.tasks.num_tasks)) for c in client.tasks.classes[t]} - now
+        )
 
     @hookimpl
     def fedaval_client_loss(self, run, client, batch):
@@ -275,7 +279,9 @@ class FedProK(Plugin):
         new_protos = torch.stack([current[c][0] for c in new])
         head, config = client.model.classifier, run.config
         optimizer = torch.optim.SGD(
-            head.parameters(), lr=self.options.head_lr or config.lr, momentum=config.momentum,
+            head.parameters(),
+            lr=self.options.head_lr or config.lr,
+            momentum=config.momentum,
             weight_decay=config.weight_decay,
         )
         mode = head.training

@@ -28,7 +28,7 @@ untrained head (A_glo near chance, by construction).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 from fedaval import hookimpl
 from fedaval.options import option
@@ -38,11 +38,12 @@ from fedaval.plugins.personal import PersonalHead, resolve_phases, uniform_avera
 
 @dataclass
 class FedRepOptions:
-    head_epochs: Optional[int] = option(None, "local epochs of the head, first in each round (default: E - body_epochs)")
-    body_epochs: Optional[int] = option(None, "local epochs of the shared body, after the head (default: 1)")
+    head_epochs: int | None = option(None, "local epochs of the head, first in each round (default: E - body_epochs)")
+    body_epochs: int | None = option(None, "local epochs of the shared body, after the head (default: 1)")
     global_head: Literal["mean", "none"] = option(
-        "mean", "the server's head for evaluating the global model: mean of the round's client heads (never "
-        "sent), or none (untrained)"
+        "mean",
+        "the server's head for evaluating the global model: mean of the round's client heads (never "
+        "sent), or none (untrained)",
     )
 
 
@@ -58,8 +59,12 @@ class FedRep(PersonalHead, Plugin):
     def fedaval_setup(self, run):
         o = self.options
         self.phases = resolve_phases(
-            run.config.local_epochs, o.head_epochs, o.body_epochs,
-            default_first=lambda e: e - 1, names=("head_epochs", "body_epochs"), owner=self.name,
+            run.config.local_epochs,
+            o.head_epochs,
+            o.body_epochs,
+            default_first=lambda e: e - 1,
+            names=("head_epochs", "body_epochs"),
+            owner=self.name,
         )
 
     @hookimpl

@@ -81,10 +81,16 @@ class FedWeIT(Plugin):
 
     @dataclass
     class Options:
-        l1: float = option(1e-3, "lambda_1: weight of the L1 sparsity of masks and task-adaptive A (Eq. 2)", non_negative)
+        l1: float = option(
+            1e-3, "lambda_1: weight of the L1 sparsity of masks and task-adaptive A (Eq. 2)", non_negative
+        )
         retro: float = option(1.0, "lambda_2: weight of the retroactive term on past tasks (Eq. 2)", non_negative)
-        base_fraction: float = option(0.5, "fraction of output units (largest |mask|) whose base is uploaded", _fraction)
-        adaptive_fraction: float = option(0.3, "fraction of A's entries (largest |A|) uploaded at a task's end", _fraction)
+        base_fraction: float = option(
+            0.5, "fraction of output units (largest |mask|) whose base is uploaded", _fraction
+        )
+        adaptive_fraction: float = option(
+            0.3, "fraction of A's entries (largest |A|) uploaded at a task's end", _fraction
+        )
         kb_size: int = option(3, "at most this many other clients' A's in a client's knowledge base", non_negative)
 
     def __init__(self, options=None):
@@ -126,7 +132,7 @@ class FedWeIT(Plugin):
         out = {"fedweit_base": self.base}
         if run.now.task not in client.tasks_started and client.has_task(run.now.task) and self.options.kb_size > 0:
             others = [entry for cid, _, entry in self.kb if cid != client.id]
-            out["fedweit_kb"] = others[-self.options.kb_size:]
+            out["fedweit_kb"] = others[-self.options.kb_size :]
         return out
 
     # --- client round -----------------------------------------------------------

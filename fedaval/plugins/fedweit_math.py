@@ -34,8 +34,11 @@ def unit_view(vector: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def effective_weight(
-    base: torch.Tensor, mask: torch.Tensor, adaptive: torch.Tensor,
-    kb: torch.Tensor | None = None, alpha: torch.Tensor | None = None,
+    base: torch.Tensor,
+    mask: torch.Tensor,
+    adaptive: torch.Tensor,
+    kb: torch.Tensor | None = None,
+    alpha: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. (1): ``base * mask + adaptive + sum_j alpha_j kb_j``.
 
@@ -112,7 +115,9 @@ def sparsity_loss(masks: Sequence[torch.Tensor], adaptives: Sequence[torch.Tenso
     return torch.stack(terms).sum()
 
 
-def retroactive_loss(base: torch.Tensor, past: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def retroactive_loss(
+    base: torch.Tensor, past: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
     """Eq. (2), third term, for one layer: ``sum_i ||B * m^(i) + R^(i) -
     theta^(i)||_2^2`` over the past tasks i, where ``past[i] = (m^(i),
     R^(i), theta^(i))``: task i's mask, the rest of its weight (A^(i) plus its
@@ -182,7 +187,9 @@ class DecomposedConv2d(_Decomposed):
     def __init__(self, layer: nn.Conv2d, kb_size: int):
         super().__init__()
         if layer.padding_mode != "zeros":
-            raise ValueError(f"fedweit decomposes zero-padded convolutions only, not padding_mode={layer.padding_mode!r}")
+            raise ValueError(
+                f"fedweit decomposes zero-padded convolutions only, not padding_mode={layer.padding_mode!r}"
+            )
         self._init_parts(layer.weight, layer.bias, kb_size)
         self.stride, self.padding = layer.stride, layer.padding
         self.dilation, self.groups = layer.dilation, layer.groups

@@ -107,8 +107,9 @@ class FediCaRL(Plugin):
 
     @dataclass
     class Options:
-        memory_size: int = option(500, "K: exemplars per client, split evenly over its seen classes (FedProK: 500)",
-                                  positive)
+        memory_size: int = option(
+            500, "K: exemplars per client, split evenly over its seen classes (FedProK: 500)", positive
+        )
         distillation: bool = option(True, "distil the previous model's old-class outputs (false: ablation)")
         nme: bool = option(True, "clients classify by nearest mean of exemplars (false: linear head)")
 

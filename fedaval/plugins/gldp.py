@@ -37,7 +37,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -74,8 +74,12 @@ def _at_least_zero(value) -> str | None:
 class GLDPOptions:
     lam: float = option(0.5, "lambda of Eq. 12: weight of L_LP; L_GP gets 1 - lambda", unit_interval)
     beta: float = option(0.5, "moving-average weight of the old prototype (Eq. 9 and 11)", unit_interval)
-    t: Optional[int] = option(None, "local epochs of the shared base per round (default: max(1, round(E/3)))", _at_least_zero)
-    s: Optional[int] = option(None, "local epochs of the personal head per round, after the base (default: E - t)", _at_least_zero)
+    t: int | None = option(
+        None, "local epochs of the shared base per round (default: max(1, round(E/3)))", _at_least_zero
+    )
+    s: int | None = option(
+        None, "local epochs of the personal head per round, after the base (default: E - t)", _at_least_zero
+    )
     predict: Literal["global", "local"] = option(
         "global", "prototypes for evaluating the client models: global (GLDP-GP) or local (GLDP-LP)"
     )
@@ -99,8 +103,12 @@ class GLDP(PersonalHead, Plugin):
     def fedaval_setup(self, run):
         o = self.options
         self.phases = resolve_phases(
-            run.config.local_epochs, o.t, o.s,
-            default_first=lambda e: max(1, round(e / 3)), names=("t", "s"), owner=self.name,
+            run.config.local_epochs,
+            o.t,
+            o.s,
+            default_first=lambda e: max(1, round(e / 3)),
+            names=("t", "s"),
+            owner=self.name,
         )
         if self.phases is None:
             import logging
@@ -183,7 +191,9 @@ class GLDP(PersonalHead, Plugin):
                 continue
             cached = self.eval_cache.get(client.id)
             if cached is None or cached[0] < client.trained_at:
-                exps = [client.test_stream[t] for t in sorted(client.tasks_started) if client.test_stream[t] is not None]
+                exps = [
+                    client.test_stream[t] for t in sorted(client.tasks_started) if client.test_stream[t] is not None
+                ]
                 if not exps:
                     continue
                 feats, labels = zip(*(base_features(client.model, e.dataset, run.device) for e in exps))

@@ -99,12 +99,16 @@ def _non_negative_int(value: int) -> str | None:
 
 @dataclass
 class GLFCOptions:
-    memory_per_class: int = option(20, "exemplars kept per class of each finished task (0: no memory)", _non_negative_int)
+    memory_per_class: int = option(
+        20, "exemplars kept per class of each finished task (0: no memory)", _non_negative_int
+    )
     compensation: bool = option(True, "class-aware gradient compensation (false: plain cross-entropy)")
     rd_weight: float = option(1.0, "weight of the relation distillation term", non_negative)
     temperature: float = option(2.0, "relation distillation temperature T", positive)
     teacher: Literal["best", "last"] = option("best", "old model: the proxy's best of the stage, or its last")
-    entropy_threshold: float = option(0.3, "entropy rise (nats) over the previous round that detects a new task", non_negative)
+    entropy_threshold: float = option(
+        0.3, "entropy rise (nats) over the previous round that detects a new task", non_negative
+    )
     entropy_samples: int = option(256, "training samples the entropy is measured on", _at_least_one)
     perturb_std: float = option(0.1, "std of the Gaussian noise on the prototype image", non_negative)
     inversion_steps: int = option(20, "L-BFGS steps of the proxy's gradient inversion", _at_least_one)
@@ -243,7 +247,9 @@ class GLFC(Plugin):
 
         with torch.no_grad():
             t_logits = teacher[1](batch.x)
-        term = relation_distillation(batch.logits, t_logits, self.old_classes(run, client.task), self.options.temperature)
+        term = relation_distillation(
+            batch.logits, t_logits, self.old_classes(run, client.task), self.options.temperature
+        )
         return {"glfc_relation": self.options.rd_weight * term}
 
     @hookimpl
@@ -332,8 +338,13 @@ class GLFC(Plugin):
         for u in uploads:
             for c, gradient in (u.get(GRADIENTS_KEY) or {}).items():
                 image = invert_gradient(
-                    lenet, [g.to(run.device) for g in gradient], int(c), run.data.input_shape,
-                    self.options.inversion_steps, self.options.inversion_lr, seed=run.config.seed + round,
+                    lenet,
+                    [g.to(run.device) for g in gradient],
+                    int(c),
+                    run.data.input_shape,
+                    self.options.inversion_steps,
+                    self.options.inversion_lr,
+                    seed=run.config.seed + round,
                 )
                 self.reconstructed.append((image.cpu(), int(c)))
         if not self.reconstructed:

@@ -100,9 +100,12 @@ class LeNet(nn.Module):
         super().__init__()
         channels, height, w = shape
         self.body = nn.Sequential(
-            nn.Conv2d(channels, width, 5, padding=2, stride=2), nn.Sigmoid(),
-            nn.Conv2d(width, width, 5, padding=2, stride=2), nn.Sigmoid(),
-            nn.Conv2d(width, width, 5, padding=2, stride=1), nn.Sigmoid(),
+            nn.Conv2d(channels, width, 5, padding=2, stride=2),
+            nn.Sigmoid(),
+            nn.Conv2d(width, width, 5, padding=2, stride=2),
+            nn.Sigmoid(),
+            nn.Conv2d(width, width, 5, padding=2, stride=1),
+            nn.Sigmoid(),
             nn.Flatten(),
         )
         with torch.no_grad():
@@ -133,7 +136,12 @@ def gradient_distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> t
 
 
 def invert_gradient(
-    lenet: nn.Module, gradient: Sequence[torch.Tensor], label: int, shape: Sequence[int], steps: int, lr: float = 1.0,
+    lenet: nn.Module,
+    gradient: Sequence[torch.Tensor],
+    label: int,
+    shape: Sequence[int],
+    steps: int,
+    lr: float = 1.0,
     seed: int = 0,
 ) -> torch.Tensor:
     """The proxy server's reconstruction (DLG with the label known, as in

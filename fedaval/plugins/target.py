@@ -95,7 +95,9 @@ def _at_least_one(value: int) -> str | None:
 
 @dataclass
 class TargetOptions:
-    ce: Literal["current", "all"] = option("current", "local cross-entropy over the current task's classes, or all classes")
+    ce: Literal["current", "all"] = option(
+        "current", "local cross-entropy over the current task's classes, or all classes"
+    )
     kd_weight: float = option(1.0, "weight of the distillation term on synthetic data", non_negative)
     temperature: float = option(2.0, "distillation temperature T", positive)
     synthetic_size: int = option(256, "synthetic images made at each task end and sent to the clients", _at_least_one)
@@ -241,10 +243,19 @@ class Target(Plugin):
         student = run.model(None).to(run.device)
         generator = Generator(run.data.input_shape, o.noise_dim, o.generator_width).to(run.device)
         images, _, self.last_losses = synthesize(
-            teacher, student, generator, self.old_classes(run, task + 1),
-            steps=o.generator_steps, batch_size=o.synthetic_batch, size=o.synthetic_size,
-            lr_generator=o.lr_generator, lr_student=o.lr_student, bn_weight=o.bn_weight,
-            adv_weight=o.adv_weight, temperature=o.temperature, device=run.device,
+            teacher,
+            student,
+            generator,
+            self.old_classes(run, task + 1),
+            steps=o.generator_steps,
+            batch_size=o.synthetic_batch,
+            size=o.synthetic_size,
+            lr_generator=o.lr_generator,
+            lr_student=o.lr_student,
+            bn_weight=o.bn_weight,
+            adv_weight=o.adv_weight,
+            temperature=o.temperature,
+            device=run.device,
         )
         self.synthetic = images.to(torch.float32)
         self.synthetic_task = task + 1

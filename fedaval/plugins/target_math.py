@@ -119,9 +119,13 @@ class Generator(nn.Module):
         self.body = nn.Sequential(
             nn.BatchNorm2d(width),
             nn.Upsample(scale_factor=2),
-            nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.LeakyReLU(0.2),
+            nn.Conv2d(width, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.LeakyReLU(0.2),
             nn.Upsample(scale_factor=2),
-            nn.Conv2d(width, width // 2, 3, padding=1, bias=False), nn.BatchNorm2d(width // 2), nn.LeakyReLU(0.2),
+            nn.Conv2d(width, width // 2, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width // 2),
+            nn.LeakyReLU(0.2),
             nn.Conv2d(width // 2, channels, 3, padding=1),
             nn.BatchNorm2d(channels, affine=False),
         )

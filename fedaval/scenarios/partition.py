@@ -111,9 +111,7 @@ def long_tailed(targets: np.ndarray, num_classes: int, imbalance: float, rng: np
     return kept
 
 
-def draw_stage(
-    rng: np.random.Generator, num_classes: int, seen: set[int], size: int, stages_after: int
-) -> list[int]:
+def draw_stage(rng: np.random.Generator, num_classes: int, seen: set[int], size: int, stages_after: int) -> list[int]:
     """The classes of one client-stage: ``size`` distinct classes, at least one
     not in ``seen`` (the client's earlier stages), and leaving at least
     ``stages_after`` unseen classes for the client's later stages. Drawn
@@ -155,8 +153,9 @@ def _max_flow(extra_of_client: list[int], drawn: list[set[int]], room: np.ndarra
     return int(result.flow_value), np.maximum(flow, 0)
 
 
-def equal_totals(slots_of_client: list[int], drawn: list[set[int]], slots_of_class: np.ndarray,
-                 available: np.ndarray) -> tuple[int, np.ndarray]:
+def equal_totals(
+    slots_of_client: list[int], drawn: list[set[int]], slots_of_class: np.ndarray, available: np.ndarray
+) -> tuple[int, np.ndarray]:
     """The largest equal total Q every client can get, and how many samples
     beyond one per slot each client takes of each class it drew
     (``extra[k, c]``), when every
@@ -459,10 +458,7 @@ def fcl_random(
         for c in seq:
             holders[int(c)].append(k)
     pieces = {
-        (k, c): chunk
-        for c, ks in holders.items()
-        if ks
-        for k, chunk in zip(ks, _split_evenly(by_class[c], len(ks)))
+        (k, c): chunk for c, ks in holders.items() if ks for k, chunk in zip(ks, _split_evenly(by_class[c], len(ks)))
     }
     clients = []
     for k, seq in enumerate(sequences):

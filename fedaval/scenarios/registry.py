@@ -6,8 +6,9 @@ Options are set like plugin options, prefixed by the scenario's name:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,8 @@ class FcilAsyncOptions:
         0.5, "gamma: fraction of a client's classes that every client holds (FedProK)", unit_interval
     )
     classes_per_client: int = option(
-        0, "m: classes per client, round(gamma*m) common + the rest unique (0: the most the dataset allows)",
+        0,
+        "m: classes per client, round(gamma*m) common + the rest unique (0: the most the dataset allows)",
         _non_negative_int,
     )
 
