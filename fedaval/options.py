@@ -9,10 +9,13 @@ that name the value and what is allowed (llm's ``Options`` with
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
 from fedaval.errors import FedavalUsageError
+
+UNIONS = (typing.Union, types.UnionType)  # Optional[X] and X | None
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -23,7 +26,7 @@ def _type_name(tp: Any) -> str:
         return "one of " + "|".join(str(a) for a in get_args(tp))
     if get_origin(tp) in (list, tuple):
         return f"comma-separated {_type_name(get_args(tp)[0])}s"
-    if get_origin(tp) is typing.Union:
+    if get_origin(tp) in UNIONS:
         return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
     return getattr(tp, "__name__", str(tp))
 
@@ -32,7 +35,7 @@ def coerce(tp: Any, raw: Any) -> Any:
     """Convert ``raw`` (a string from the command line, or an already typed
     value) to type ``tp``. Raises ``ValueError`` when it does not fit."""
     origin = get_origin(tp)
-    if origin is typing.Union:
+    if origin in UNIONS:
         args = [a for a in get_args(tp) if a is not type(None)]
         if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "")):
             return None

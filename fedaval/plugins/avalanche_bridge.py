@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 import typing
 from typing import Any, ClassVar, Literal, Optional, Union
 
@@ -203,7 +204,7 @@ def option_type(parameter: inspect.Parameter) -> Any | None:
     origin = typing.get_origin(annotation)
     if annotation in _SCALARS or origin is Literal:
         return annotation
-    if origin is Union:
+    if origin is Union or origin is types.UnionType:
         args = typing.get_args(annotation)
         scalars = [a for a in args if a in _SCALARS]
         if scalars and all(a in _SCALARS or a is type(None) for a in args):
