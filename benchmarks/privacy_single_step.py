@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-from fedaval.attack_math import image_metrics, invert_update, save_grid
+from fedaval.attack_math import image_metrics, invert_update, save_grid, single_step_upload
 from fedaval.datasets import load_dataset
-from fedaval.models import build_model
 from fedaval.plugins.dp_math import clip_and_noise
 
 
@@ -25,15 +24,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     data = load_dataset("imagefolder", Path(__file__).resolve().parent.parent / "tests" / "data" / "cifar10")
-    torch.manual_seed(0)
-    model = build_model("mlp", data.input_shape, data.num_classes)
-    x01 = data.train_x[5:6].float() / 255
-    mean, std = torch.tensor(data.mean).view(1, -1, 1, 1), torch.tensor(data.std).view(1, -1, 1, 1)
-    y = data.train_y[5:6]
-    received = {k: v.clone() for k, v in model.state_dict().items()}
-    loss = torch.nn.functional.cross_entropy(model((x01 - mean) / std), y)
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    uploaded = {n: p.detach() - 0.1 * g for (n, p), g in zip(model.named_parameters(), grads)}
+    model, x01, y, received, uploaded = single_step_upload(data)
     names = list(uploaded)
     update = [uploaded[n] - received[n] for n in names]
     clip = math.sqrt(sum(float((u**2).sum()) for u in update))

@@ -213,6 +213,26 @@ def invert_prototype(
     return denormalise(best, mean, std)
 
 
+def single_step_upload(data: Any, index: int = 5, lr: float = 0.1, model_name: str = "mlp"):
+    """The attack's easiest case: fedaval's ``model_name`` (seeded 0), one SGD
+    step (``lr``) on training image ``index`` of ``data`` (an ImageData).
+    Returns ``(model, image in [0, 1], label, received state, uploaded
+    weights)``: what tests/test_attack_math.py and
+    benchmarks/privacy_single_step.py attack."""
+    from fedaval.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_name, data.input_shape, data.num_classes)
+    x01 = data.train_x[index : index + 1].float() / 255
+    mean, std = torch.tensor(data.mean).view(1, -1, 1, 1), torch.tensor(data.std).view(1, -1, 1, 1)
+    y = data.train_y[index : index + 1]
+    received = {k: v.clone() for k, v in model.state_dict().items()}
+    loss = torch.nn.functional.cross_entropy(model((x01 - mean) / std), y)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    uploaded = {n: p.detach() - lr * g for (n, p), g in zip(model.named_parameters(), grads)}
+    return model, x01, y, received, uploaded
+
+
 def save_grid(true: torch.Tensor, rec: torch.Tensor, path: Any) -> None:
     """A PNG: the true images on the first row, their reconstructions below."""
     from torchvision.utils import save_image

@@ -29,7 +29,7 @@ from fedaval.evaluation import (
     summarise,
 )
 from fedaval.offload import offload_idle
-from fedaval.payload import Upload, payload_nbytes
+from fedaval.payload import Upload, merge_entries, payload_nbytes
 from fedaval.privacy import privacy_results
 from fedaval.run import Run
 
@@ -156,8 +156,6 @@ def run_round(run: Run, round: int, backend: Backend | None = None) -> dict[str,
 
 def client_extras(run: Run, client_id: int, download: dict[str, Any]) -> dict[str, Any]:
     """What ``fedaval_server_download`` adds to the broadcast for this client."""
-    from fedaval.payload import merge_entries
-
     extra = merge_entries(
         run.hook.fedaval_server_download(run=run, client=run.clients[client_id], download=download), "download"
     )

@@ -25,19 +25,11 @@ PSNR_UNDER_DP = 14.0
 @pytest.fixture(scope="module")
 def one_step(cifar10_root):
     """A real CIFAR-10 training image, fedaval's MLP, one SGD step (lr 0.1) on it."""
+    from fedaval.attack_math import single_step_upload
     from fedaval.datasets import load_dataset
-    from fedaval.models import build_model
 
     data = load_dataset("imagefolder", cifar10_root)
-    torch.manual_seed(0)
-    model = build_model("mlp", data.input_shape, data.num_classes)
-    x01 = data.train_x[5:6].float() / 255
-    mean, std = torch.tensor(data.mean).view(1, -1, 1, 1), torch.tensor(data.std).view(1, -1, 1, 1)
-    y = data.train_y[5:6]
-    received = {k: v.clone() for k, v in model.state_dict().items()}
-    loss = torch.nn.functional.cross_entropy(model((x01 - mean) / std), y)
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    uploaded = {n: p.detach() - 0.1 * g for (n, p), g in zip(model.named_parameters(), grads)}
+    model, x01, y, received, uploaded = single_step_upload(data)
     return data, model, x01, y, received, uploaded
 
 
