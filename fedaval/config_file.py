@@ -133,6 +133,24 @@ def merge_options(
     return merged
 
 
+def tables_for_replaced(
+    file_options: dict[str, dict[str, Any]], file_names: Iterable[str], cli_names: Iterable[str]
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Drop the file's option tables for owners the command line replaced.
+
+    ``-p fedavg`` on a file with ``plugins = ["fedprok"]`` and an
+    ``[options.fedprok]`` table runs FedAvg: the ``fedprok`` table belongs
+    to a plugin the command line took out, so it is not used (a
+    reproduction config's rows run this way, docs/reproduction.md).
+    Likewise for the file's scenario when ``--scenario`` names another.
+    Returns ``(kept tables, dropped owner names)``; the caller says which
+    were dropped. A table for an owner that is in neither list is kept, so
+    a misspelt owner still gets the usual one-line error."""
+    replaced = set(file_names) - set(cli_names)
+    kept = {owner: values for owner, values in file_options.items() if owner not in replaced}
+    return kept, sorted(set(file_options) & replaced)
+
+
 def load_into_context(ctx, param, value):
     """Click callback of the eager ``--config`` option: check the file's keys
     against the command's options and convert each value with the option's

@@ -206,3 +206,27 @@ def test_presets_cover_each_paper():
         "hgp-cifar100.toml",
     } <= names
     assert (CONFIGS / "README.md").exists()
+
+
+def test_command_line_plugins_drop_the_replaced_plugins_tables(tmp_path, captured):
+    text = 'plugins = "fedprok"\n[options.fedprok]\nbeta = 0.3\n[options.fcil-sync]\nclients = 2\n'
+    result = invoke("--config", write(tmp_path, text), "-p", "fedavg")
+    assert result.exit_code == 0, result.output
+    assert "its [options.fedprok] table is not used" in result.output
+    (settings,) = captured
+    assert settings["plugin_options"] == {"fcil-sync": {"clients": 2}}
+
+
+def test_a_table_for_an_owner_never_named_is_kept_for_the_usual_error(tmp_path, captured):
+    text = 'plugins = "fedprok"\n[options.fedprk]\nbeta = 0.3\n'
+    result = invoke("--config", write(tmp_path, text), "-p", "fedavg")
+    (settings,) = captured
+    assert settings["plugin_options"] == {"fedprk": {"beta": 0.3}}  # build_run then names it
+    assert "not used" not in result.output
+
+
+def test_command_line_scenario_drops_the_files_scenario_table(tmp_path, captured):
+    result = invoke("--config", write(tmp_path, 'scenario = "fcil-sync"\n' + FILE), "--scenario", "fcl-random")
+    assert result.exit_code == 0, result.output
+    (settings,) = captured
+    assert "fcil-sync" not in settings["plugin_options"]

@@ -81,3 +81,31 @@ def test_train_ignores_the_paper_table(tmp_path):
     path.write_text('plugins = ["fedavg"]\n[paper]\nsource = "x"\n[paper.final_accuracy]\nFedAvg = 1.0\n')
     values, options = read_config_file(path, train_option_names())
     assert values == {"plugins": ["fedavg"]} and options == {}
+
+
+class ReachedData(Exception):
+    """Raised in place of loading the data: every check before it passed."""
+
+
+ROWS = [(path, name, arguments) for path in CONFIGS for name, arguments in read_paper_table(path)["runs"].items()]
+
+
+@pytest.mark.parametrize("path,name,arguments", ROWS, ids=[f"{p.stem.removeprefix('repro-')}:{n}" for p, n, _ in ROWS])
+def test_every_row_command_gets_past_the_option_checks(path, name, arguments, tmp_path, monkeypatch):
+    """Each row's documented command, `fedaval train --config CONFIG <row's
+    arguments>`, loads its plugins and options up to the data: `-p fedavg`
+    on a config whose options are for another method once failed with
+    "options given for fedprok, which is neither a loaded plugin ..."."""
+    import shlex
+
+    from click.testing import CliRunner
+
+    from fedaval.cli import cli
+
+    def reached(*args, **kwargs):
+        raise ReachedData
+
+    monkeypatch.setattr("fedaval.build.load_dataset", reached)
+    argv = ["train", "--config", str(path), *shlex.split(arguments), "--seed", "42", "--quiet"]
+    result = CliRunner().invoke(cli, [*argv, "--out", str(tmp_path / "run")])
+    assert isinstance(result.exception, ReachedData), (result.exit_code, result.output)

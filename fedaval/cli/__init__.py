@@ -267,7 +267,15 @@ def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs
             resume_training(resume_dir, show_progress=not quiet, echo=click.echo)
         return
     kwargs["plugins"] = split_plugin_specs(plugins)
-    kwargs["plugin_options"] = config_file.merge_options(config_file.file_options(ctx), parse_assignments(options))
+    file_tables = config_file.file_options(ctx)
+    file_values = ctx.default_map or {}
+    for name, cli_names in (("plugins", kwargs["plugins"]), ("scenario", [kwargs["scenario"]])):
+        if name in file_values and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            file_names = split_plugin_specs(file_values[name]) if name == "plugins" else [file_values[name]]
+            file_tables, dropped = config_file.tables_for_replaced(file_tables, file_names, cli_names)
+            for owner in dropped:
+                click.echo(f"note: --{name} replaces the config's {owner!r}; its [options.{owner}] table is not used")
+    kwargs["plugin_options"] = config_file.merge_options(file_tables, parse_assignments(options))
     kwargs["out"] = out
     from_cli = {
         name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE for name in ("seed", "seeds")
