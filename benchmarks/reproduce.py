@@ -1,5 +1,5 @@
 """Run every row of a reproduction config (``configs/repro-*.toml``) for each
-of its seeds, then put the paper's numbers beside the measured ones.
+of its seeds (every row of the first seed first), then put the paper's numbers beside the measured ones.
 
     python benchmarks/reproduce.py configs/repro-fedprok-table1.toml --out-dir runs/t1 --jobs 2
 
@@ -40,16 +40,21 @@ def run_status(folder: Path) -> str | None:
         return None
 
 
-def commands(config: Path, out_dir: Path, rows: list[str] | None) -> list[tuple[str, list[str], Path]]:
+def commands(
+    config: Path, out_dir: Path, rows: list[str] | None, only_seeds: list[int] | None = None
+) -> list[tuple[str, list[str], Path]]:
+    """The runs, seed by seed (every row of the first seed first)."""
     data = tomllib.loads(config.read_text())
     runs = data.get("paper", {}).get("runs", {})
     seeds = data.get("seeds", [0])
     seeds = [int(s) for s in (seeds.split(",") if isinstance(seeds, str) else seeds)]
     out = []
-    for name, arguments in runs.items():
-        if rows and name not in rows:
+    for seed in seeds:
+        if only_seeds and seed not in only_seeds:
             continue
-        for seed in seeds:
+        for name, arguments in runs.items():
+            if rows and name not in rows:
+                continue
             folder = out_dir / f"{slug(name)}-s{seed}"
             argv = ["--config", str(config), *shlex.split(arguments), "--seed", str(seed)]
             out.append((f"{name} s{seed}", argv, folder))
@@ -84,9 +89,10 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--rows", nargs="*", help="only these [paper.runs] rows (default: all)")
+    parser.add_argument("--seeds", nargs="*", type=int, help="only these of the file's seeds (default: all)")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    todo = commands(args.config, args.out_dir, args.rows)
+    todo = commands(args.config, args.out_dir, args.rows, args.seeds)
     failed = 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for label, outcome, seconds in pool.map(lambda job: run_one(*job), todo):
