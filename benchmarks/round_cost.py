@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tasks", type=int, default=5)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--checkpoint-every", type=int, default=None, help="default: the run's default")
+    parser.add_argument("--checkpoint-every", default=None, help="N or auto (default: the run's default)")
     parser.add_argument("--out", default=None, help="run folder (default: a temporary one)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

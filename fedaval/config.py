@@ -62,7 +62,7 @@ class RunConfig:
     device: str = "auto"
     seed: int = 0
     out: str | None = None
-    checkpoint_every: int = 1
+    checkpoint_every: int | str = "auto"
     keep_checkpoints: int = 2
     on_client_failure: str = "drop"
     data_path: str = "auto"
@@ -84,6 +84,8 @@ class RunConfig:
         can use (NaN and infinite floats included: every comparison below is
         False for NaN)."""
         self.fill_defaults()
+        if isinstance(self.checkpoint_every, str) and self.checkpoint_every.strip().isdigit():
+            self.checkpoint_every = int(self.checkpoint_every)  # the CLI gives text
         assert self.lr is not None and self.momentum is not None and self.local_epochs is not None
         finite = {name: math.isfinite(getattr(self, name)) for name in ("lr", "weight_decay", "client_gpus", "lr_min")}
         checks = [
@@ -98,7 +100,13 @@ class RunConfig:
             ("--eval-every", self.eval_every, self.eval_every >= 1, ">= 1"),
             ("--utility-lambda", self.utility_lambda, 0 <= self.utility_lambda <= 1, "in [0, 1]"),
             ("--link-mbps", self.link_mbps, self.link_mbps > 0, "> 0 (Mbit/s)"),
-            ("--checkpoint-every", self.checkpoint_every, self.checkpoint_every >= 0, ">= 0 (0: never)"),
+            (
+                "--checkpoint-every",
+                self.checkpoint_every,
+                self.checkpoint_every == "auto"
+                or (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0),
+                "auto or an integer >= 0 (0: never)",
+            ),
             ("--keep-checkpoints", self.keep_checkpoints, self.keep_checkpoints >= 1, ">= 1"),
             (
                 "--on-client-failure",

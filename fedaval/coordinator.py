@@ -299,7 +299,8 @@ def train(
 ) -> dict[str, Any]:
     """Run every task and round. With an output folder, after each round: its
     record is appended to ``rounds.jsonl`` (:data:`ROUNDS_FILE`), a checkpoint
-    is taken on the ``--checkpoint-every`` schedule (written in the
+    is taken on the ``--checkpoint-every`` schedule
+    (:class:`fedaval.checkpoint.Schedule`; written in the
     background, :func:`fedaval.checkpoint.save_in_background`), and
     results.json is rewritten on its own schedule (:class:`ResultsSchedule`:
     after round 1, each stage's last round and the run's last round, and
@@ -437,6 +438,7 @@ def _train_rounds(
     matrix: list[list[float | None] | None] = [t["accuracy"] for t in results["tasks"]]
     done = len(results["rounds"])
     schedule = ResultsSchedule()
+    checkpoints = checkpoint.Schedule(run)
     for task in range(run.num_tasks):
         rounds = [r for r in run.rounds_of_task(task) if r > done]
         if not rounds:
@@ -476,7 +478,7 @@ def _train_rounds(
             log_round(run, record, results["final"])
             if run.out_dir is not None:
                 _write(run, lambda: append_round(run.out_dir, record))  # noqa: B023 - called at once
-                if checkpoint.is_due(run, round):
+                if checkpoints.due(run, round, record["task_end"]):
                     _write(run, lambda: checkpoint.save_in_background(run, results))
                 if write_results:
                     _write(run, lambda: schedule.write(run, results))

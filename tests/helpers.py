@@ -35,6 +35,7 @@ def tiny_run_config(out, **overrides):
         device="cpu",
         seed=0,
         out=str(out),
+        checkpoint_every=1,  # resume tests stop and resume at chosen rounds; `auto` has its own tests
     )
     settings.update(overrides)
     return RunConfig(**settings)

@@ -36,7 +36,18 @@ def results_of(folder: Path) -> dict:
     ids=["fedavg", "pfcl"],
 )
 def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_results(tmp_path, method):
-    args = [*FEDAVAL, "train", "--quiet", "--rounds-per-task", "2", "--local-epochs", "2", *method]
+    args = [
+        *FEDAVAL,
+        "train",
+        "--quiet",
+        "--rounds-per-task",
+        "2",
+        "--local-epochs",
+        "2",
+        "--checkpoint-every",
+        "1",
+        *method,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*args, "--out", str(tmp_path / "whole")], check=True, capture_output=True, env=env)
     total = len(json.loads((tmp_path / "whole" / "results.json").read_text())["rounds"])
@@ -102,6 +113,46 @@ def test_checkpoint_interval_and_pruning(tiny_config, tmp_path):
     run_training(tiny_config(out=str(tmp_path / "never"), checkpoint_every=0))
     assert not (tmp_path / "never" / "checkpoints").exists()
     assert not list((tmp_path / "every2").rglob("*.tmp"))
+
+
+def test_auto_checkpoints_at_stage_ends_when_rounds_are_short(tiny_config, tmp_path):
+    """The default, ``auto``: millisecond rounds are not each checkpointed
+    (before: every round was, 40 ms a round of pickling on digits)."""
+    from fedaval import checkpoint
+    from fedaval.api import run_training
+    from fedaval.config import RunConfig
+
+    assert RunConfig().checkpoint_every == "auto"
+    run_training(
+        tiny_config(out=str(tmp_path / "auto"), rounds_per_task=3, checkpoint_every="auto", keep_checkpoints=9)
+    )
+    assert [r for r, _ in checkpoint.saved(tmp_path / "auto")] == [6, 3]
+
+
+def test_auto_checkpoints_once_a_minute_within_a_stage(monkeypatch):
+    from types import SimpleNamespace
+
+    from fedaval import checkpoint
+
+    clock = [0.0]
+    monkeypatch.setattr(checkpoint.time, "perf_counter", lambda: clock[0])
+    run = SimpleNamespace(config=SimpleNamespace(checkpoint_every="auto"), total_rounds=10)
+    schedule = checkpoint.Schedule(run)
+    due = []
+    for round, seconds in enumerate([20, 20, 25, 20, 30, 70, 1, 1, 1, 1], start=1):
+        clock[0] += seconds
+        due.append(schedule.due(run, round, task_end=round == 8))
+    # 65 s after the start (round 3); rounds 4-5 (50 s on) not yet; round 6 (120 s on); the stage end; the last
+    assert [r for r, d in enumerate(due, start=1) if d] == [3, 6, 8, 10]
+
+
+@pytest.mark.parametrize("value", ["sometimes", "-1", -2, "1.5"])
+def test_bad_checkpoint_every_is_a_one_line_error(value):
+    from fedaval.config import RunConfig
+    from fedaval.errors import FedavalUsageError
+
+    with pytest.raises(FedavalUsageError, match="auto or an integer >= 0"):
+        RunConfig(checkpoint_every=value).validate()
 
 
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tiny_config, tmp_path, monkeypatch):

@@ -20,7 +20,10 @@ from helpers import one_line_error, strip_timing, tiny_run_config
 from fedaval import hookimpl
 from fedaval.cli import cli
 
-TINY = ["-o", "fcil-sync.clients=2", "-o", "fcil-sync.tasks=2", "--rounds-per-task", "2", "--device", "cpu", "--quiet"]
+TINY = [
+    *("-o", "fcil-sync.clients=2", "-o", "fcil-sync.tasks=2", "--rounds-per-task", "2", "--device", "cpu", "--quiet"),
+    *("--checkpoint-every", "1"),  # these tests stop after chosen rounds
+]
 
 
 def results_of(path: Path) -> dict:

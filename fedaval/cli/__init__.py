@@ -195,10 +195,10 @@ def cli() -> None:
 @click.option("--out", default=None, help="Run folder (default: runs/<time>-<plugins>-<scenario>-<dataset>-s<seed>).")
 @click.option(
     "--checkpoint-every",
-    default=1,
+    default="auto",
     show_default=True,
-    type=int,
-    help="Checkpoint every N rounds (and after the last); 0: never.",
+    metavar="N|auto",
+    help="Checkpoint every N rounds (and after the last); 0: never; auto: at stage ends and at most once a minute.",
 )
 @click.option("--keep-checkpoints", default=2, show_default=True, type=int, help="Checkpoints kept (the newest).")
 @click.option(

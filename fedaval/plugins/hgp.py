@@ -56,7 +56,6 @@ Readings chosen (only the abstract and a summary of the paper are at hand):
 from __future__ import annotations
 
 import logging
-
 import warnings
 from dataclasses import dataclass
 from typing import Literal
