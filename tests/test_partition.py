@@ -77,6 +77,29 @@ def test_sthfl_gldp_cifar10_setting():
         assert part.summary["effective_imbalance"] == pytest.approx(50, rel=0.01)
 
 
+def test_sthfl_keeps_each_slot_near_its_classs_even_share():
+    """[20,4,5], IF 50: every (client, stage, class) slot holds between 0.1
+    and 2.5 times its class's even share (the class's samples over the
+    slots that drew it), and no stage holds most of its client's data.
+    Before (an unconstrained maximum flow): 0.01 to 40 times, client-stages
+    of 4 samples (one of each class) beside stages of 683 of the client's 699."""
+    targets = balanced_targets(10, 5000)
+    for seed in range(3):
+        part = P.sthfl(targets, 10, 20, 4, 5, 50, np.random.default_rng(seed))
+        kept = P.long_tailed(targets, 10, 50, np.random.default_rng(seed))
+        slots = np.zeros(10)
+        for client in part.clients:
+            for classes in client.classes:
+                slots[classes] += 1
+        even = np.array([len(k) for k in kept]) / slots
+        quota = part.summary["samples_per_client"]
+        for client in part.clients:
+            for classes, idx in zip(client.classes, client.indices):
+                counts = np.bincount(targets[idx], minlength=10)[classes]
+                assert np.all(counts >= 0.1 * even[classes]) and np.all(counts <= 2.5 * even[classes])
+                assert 10 <= len(idx) <= 0.6 * quota
+
+
 def test_sthfl_needs_room_for_a_new_class_per_stage():
     with pytest.raises(FedavalUsageError, match="need 6 classes; the dataset has 5"):
         P.sthfl(balanced_targets(5, 100), 5, 2, 2, 5, 1, np.random.default_rng(0))
