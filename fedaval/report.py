@@ -40,7 +40,24 @@ from typing import Any
 from fedaval.errors import FedavalUsageError
 
 #: Configuration keys that do not make two runs different experiments.
-NOT_A_SETTING = ("seed", "out", "device", "data_root", "download")
+#: Configuration keys that do not make a different experiment: where the
+#: run went and how it was executed. The backends, offloading, data paths
+#: and checkpoint schedules give identical results (tests/test_ray_backend.py,
+#: test_offload.py, test_device_data.py, test_checkpoint.py).
+NOT_A_SETTING = (
+    "seed",
+    "out",
+    "device",
+    "data_root",
+    "download",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "backend",
+    "ray_address",
+    "client_gpus",
+    "offload_clients",
+    "data_path",
+)
 
 
 @dataclass(frozen=True)

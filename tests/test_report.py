@@ -131,6 +131,17 @@ def test_settings_compare_by_value_whichever_way_given():
     assert setting_of(old) == setting_of(a)
 
 
+def test_how_a_run_was_executed_is_not_a_setting():
+    """A run checkpointed every round and one on ``auto`` (or on Ray, or
+    offloaded) give the same results: one row, not two (a reproduction
+    table once split HGP's seeds over two rows by ``checkpoint-every``)."""
+    from fedaval.config import RunConfig
+
+    a = RunConfig(checkpoint_every=1).to_dict()
+    b = RunConfig(checkpoint_every="auto", keep_checkpoints=5, backend="ray", offload_clients="cpu").to_dict()
+    assert setting_of(a) == setting_of(b)
+
+
 def test_same_folder_names_are_told_apart(runs, tmp_path):
     import shutil
 
