@@ -65,10 +65,30 @@ def fedaval() -> list[str]:
     return [sys.executable, "-m", "fedaval.cli"]
 
 
+def running_elsewhere(lock: Path) -> bool:
+    """Another reproduce.py is running this folder (its lock names a live process)."""
+    try:
+        os.kill(int(lock.read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def run_one(label: str, argv: list[str], folder: Path) -> tuple[str, str, float]:
     state = run_status(folder)
     if state == "complete":
         return label, "already complete", 0.0
+    lock = folder.with_suffix(".lock")
+    if running_elsewhere(lock):
+        return label, "running elsewhere", 0.0
+    lock.write_text(str(os.getpid()))
+    try:
+        return _run(label, argv, folder)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _run(label: str, argv: list[str], folder: Path) -> tuple[str, str, float]:
     if folder.exists() and (folder / "config.json").exists():
         cmd = [*fedaval(), "train", "--resume", str(folder), "--quiet"]
     else:
@@ -97,7 +117,7 @@ def main() -> int:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for label, outcome, seconds in pool.map(lambda job: run_one(*job), todo):
             print(f"{label:<40} {outcome:<18} {seconds:7.0f} s", flush=True)
-            failed += not outcome.startswith(("ok", "already"))
+            failed += not outcome.startswith(("ok", "already", "running elsewhere"))
     folders = sorted(str(f) for _, _, f in todo if run_status(f) == "complete")
     if folders:
         report = [
