@@ -1,7 +1,8 @@
 """The federated baselines side by side on digits, scaled down.
 
-FedAvg, FedProx, FedNova, APFL and the Avalanche hybrids (FedEWC, FedLwF,
-FedReplay: random experience replay, not FediCaRL) on the same partitions and seeds, in FedProK's synchronous and
+FedAvg, FedProx, FedNova, APFL, the Avalanche hybrids (FedEWC, FedLwF,
+FedReplay: random experience replay) and the FCL baselines that run on the
+MLP (FediCaRL, GLFC, FedSpace, FedWeIT, CReFF, FEDIC) on the same partitions and seeds, in FedProK's synchronous and
 asynchronous FCIL settings: 3 clients, 5 tasks of 2 digit classes (sync,
 Dirichlet alpha 0.5) or 3 tasks per client (async, consensus 0.5), 3 rounds
 per task, 2 local epochs, the default MLP, 2 CPU cores. FedNova's step
@@ -39,7 +40,15 @@ METHODS = {
     "FedEWC": (["fedewc"], {"fedewc": {"ewc_lambda": 10.0}}),
     "FedLwF": (["fedlwf"], {}),
     "FedReplay (random replay) mem=500": (["fedreplay"], {"fedreplay": {"mem_size": 500}}),
+    "FediCaRL mem=500": (["ficarl"], {"ficarl": {"memory_size": 500}}),
+    "GLFC": (["glfc"], {}),
+    "FedSpace": (["fedspace"], {}),
+    "FedWeIT": (["fedweit"], {}),
+    "CReFF": (["creff"], {}),
+    "FEDIC": (["fedic"], {}),
 }
+# Not here: TARGET (its generator matches BatchNorm statistics; the digits MLP has none) and
+# CFeD (it needs a surrogate dataset besides the task data).
 SCENARIOS = {
     "fcil-sync": {"clients": 3, "tasks": 5, "alpha": 0.5},
     "fcil-async": {"clients": 3, "tasks": 3, "consensus": 0.5},

@@ -72,7 +72,7 @@ def test_docs_list_every_row_with_its_command_and_paper_number(path):
 
 def test_no_measured_cell_is_filled_without_a_run():
     cells = measured_cells((ROOT / "docs" / "reproduction.md").read_text())
-    assert len(cells) == 8 + 18 + 10 + 2
+    assert len(cells) == 12 + 18 + 10 + 2
     assert set(cells) == {"not run yet"}
 
 
