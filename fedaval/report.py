@@ -422,17 +422,21 @@ def markdown_table(rows: list[Row], paper: PaperRows | None = None) -> str:
     return "\n".join([line(columns), rule, *(line(r) for r in body)])
 
 
-def csv_table(rows: list[Row]) -> str:
+def csv_table(rows: list[Row], paper: PaperRows | None = None) -> str:
     """One line per group; raw numbers (accuracies as fractions, bytes,
-    seconds): ``<metric>_mean``, ``<metric>_std``, ``<metric>_n``."""
+    seconds): ``<metric>_mean``, ``<metric>_std``, ``<metric>_n``. With
+    ``paper`` (:func:`match_paper`), the first column is the paper's row name
+    (``paper_row``)."""
     metrics = present_metrics(rows)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     header = ["method", "scenario", "dataset", "setting", "runs", "seeds", "run_dirs"]
+    if paper is not None:
+        header.insert(0, "paper_row")
     for m in metrics:
         header += [f"{m.key}_mean", f"{m.key}_std", f"{m.key}_n"]
     writer.writerow(header)
-    for row in rows:
+    for index, row in enumerate(rows):
         g = row.group
         line = [
             g.method,
@@ -443,6 +447,8 @@ def csv_table(rows: list[Row]) -> str:
             " ".join(r.seed_label.replace(" ", "") for r in g.runs),
             " ".join(str(r.path) for r in g.runs),
         ]
+        if paper is not None:
+            line.insert(0, paper.names.get(index, ""))
         for m in metrics:
             mean, std, n = row.stats[m.key]
             line += ["" if mean is None else repr(mean), "" if std is None else repr(std), n]
@@ -716,6 +722,6 @@ def write_report(
     md_path = out / "report.md"
     md_path.write_text("\n".join(md) + "\n")
     csv_path = out / "report.csv"
-    csv_path.write_text(csv_table(rows))
+    csv_path.write_text(csv_table(rows, matched))
     files += [md_path, csv_path, *images]
     return Report(table, files, grouping)

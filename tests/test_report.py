@@ -189,3 +189,7 @@ def test_the_papers_numbers_stand_beside_the_measured_ones(runs, tmp_path):
     assert "FedAvg" in fedavg and "18.45" in fedavg
     assert "FedProx" in fedprox and "17.49" in fedprox
     assert "paper rows with no runs here: FedProK" in result.output
+    import csv
+
+    table = list(csv.DictReader((tmp_path / "rep" / "report.csv").open()))
+    assert {r["paper_row"]: r["method"] for r in table} == {"FedAvg": "fedavg", "FedProx": "fedprox"}
