@@ -115,6 +115,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("average_client_accuracy", "avg client acc", _final("average_client_accuracy"), "percent"),
     Metric("a_glo", "A_glo", _last_round_value("a_glo"), "percent"),
     Metric("a_loc", "A_loc", _last_round_value("a_loc"), "percent"),
+    Metric("a_sel", "A_sel", _last_round_value("a_sel"), "percent"),
     Metric("utility", "utility", _last_round_value("utility"), "percent"),
     Metric("efficiency", "E s/round", _final("efficiency"), "seconds"),
     Metric("bytes_up_per_round", "up/round", _per_round("bytes_up"), "bytes"),
@@ -457,6 +458,16 @@ def csv_table(rows: list[Row], paper: PaperRows | None = None) -> str:
 
 
 # ---------------------------------------------------------------- the paper's numbers
+
+
+def reproduction_cell(mean: float | None, std: float | None, runs: int) -> str:
+    """A measured cell of docs/reproduction.md from a report.csv's fraction
+    mean and std over ``runs`` seeds: ``"14.75 ± 1.35 (3 seeds)"``,
+    ``"69.45 (1 seed)"``, ``"n/a"`` when no run recorded the metric."""
+    if mean is None:
+        return "n/a"
+    spread = "" if std is None or runs < 2 else f" ± {100 * std:.2f}"
+    return f"{100 * mean:.2f}{spread} ({runs} seed{'s' if runs != 1 else ''})"
 
 
 @dataclass

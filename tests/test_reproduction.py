@@ -70,10 +70,78 @@ def test_docs_list_every_row_with_its_command_and_paper_number(path):
         assert f"| {number:.2f} |" in docs or f"| {number:.1f} |" in docs, number
 
 
-def test_no_measured_cell_is_filled_without_a_run():
-    cells = measured_cells((ROOT / "docs" / "reproduction.md").read_text())
-    assert len(cells) == 12 + 18 + 10 + 2
-    assert set(cells) == {"not run yet"}
+REPORTS = ROOT / "benchmarks" / "results" / "reproduction"
+#: measured column of docs/reproduction.md -> report.csv metric
+COLUMN_METRIC = {
+    "measured A_glo": "a_glo",
+    "measured A_loc": "a_loc",
+    "measured A_sel": "a_sel",
+    "measured avg": "average_client_accuracy",
+    "measured final": "client_accuracy",
+}
+
+
+def section_tables(markdown):
+    """``{config file name: [(header, row cells), ...]}`` for every table
+    under a section that names its config (``Config: `configs/NAME` ``)."""
+    import re
+
+    out, config, header = {}, None, None
+    for line in markdown.splitlines():
+        if line.startswith("## "):
+            config, header = None, None
+        found = re.search(r"Config: `configs/([^`]+)`", line)
+        if found:
+            config = found.group(1)
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif set(line) <= set("|-: ") or config is None:
+            continue
+        else:
+            out.setdefault(config, []).append((header, cells))
+    return out
+
+
+def test_every_measured_cell_comes_from_the_committed_report():
+    """A measured cell is "not run yet" or exactly what the committed
+    ``fedaval report --paper`` CSV of its table gives for its paper row
+    (benchmarks/results/reproduction/<config>/report.csv, written by
+    benchmarks/reproduce.py): no number is typed in by hand."""
+    import csv
+
+    from fedaval.report import reproduction_cell
+
+    tables = section_tables((ROOT / "docs" / "reproduction.md").read_text())
+    assert set(tables) == {p.name for p in CONFIGS}
+    filled = 0
+    for config, rows in tables.items():
+        csv_path = REPORTS / config.removesuffix(".toml") / "report.csv"
+        report = {r["paper_row"]: r for r in csv.DictReader(csv_path.open())} if csv_path.exists() else {}
+        metric = read_paper_table(ROOT / "configs" / config)["metric"]
+        for header, cells in rows:
+            for title, cell in zip(header, cells):
+                if not title.startswith("measured") or cell == "not run yet":
+                    continue
+                key = COLUMN_METRIC.get(title, metric)
+                row = report[cells[0]]
+                mean, std = (float(row[f"{key}_{s}"]) if row[f"{key}_{s}"] else None for s in ("mean", "std"))
+                assert cell == reproduction_cell(mean, std, int(row["runs"])), (config, cells[0], title)
+                filled += 1
+    assert filled == sum(
+        1 for c in measured_cells((ROOT / "docs" / "reproduction.md").read_text()) if c != "not run yet"
+    )
+
+
+def test_reproduction_cell_format():
+    from fedaval.report import reproduction_cell
+
+    assert reproduction_cell(0.147512, 0.0135, 3) == "14.75 ± 1.35 (3 seeds)"
+    assert reproduction_cell(0.6945, None, 1) == "69.45 (1 seed)"
+    assert reproduction_cell(None, None, 2) == "n/a"
 
 
 def test_train_ignores_the_paper_table(tmp_path):
