@@ -313,3 +313,27 @@ def test_a_bad_federation_model_is_a_one_line_error(tmp_path):
         FedavalUsageError, match="bad value 'server' from fedaval_federation_model; allowed: global, clients"
     ):
         run_training(tiny_run_config(tmp_path / "run", rounds_per_task=1), extra_plugins=[ServerModel()])
+
+
+def test_computation_seconds_include_the_clients_upload_work(tiny_config):
+    """A method's upload work (PFCL's and FedProK's prototypes over the
+    client's data) is client computation, FedProK's tau2: before, only
+    the training call was timed, and PFCL's prototype pass on Tiny-ImageNet
+    (20 to 60 s a round) was missing from E."""
+    import time
+
+    from fedaval import hookimpl
+    from fedaval.api import run_training
+
+    class SlowUpload:
+        name = "slow_upload"
+
+        @hookimpl
+        def fedaval_client_upload(self, run, client):
+            time.sleep(0.2)
+            return {}
+
+    results = run_training(tiny_config(rounds_per_task=1), extra_plugins=[SlowUpload()])
+    for r in results["rounds"]:
+        clients = len(r["clients"])
+        assert r["seconds_local"] >= 0.2 * clients

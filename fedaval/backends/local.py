@@ -63,17 +63,13 @@ def client_round(
     (an exception, a non-finite loss or upload) is caught and reported.
     ``extra``: this client's own download entries, on top of ``download``."""
     hook = run.hook
-    seconds = 0.0
+    start = time.perf_counter()  # the client's whole computation: receive, train, upload (FedProK's tau2)
     with client.rng_scope():
         try:
             assert run.now is not None, "a client round runs inside a round (run.enter_round)"
             client.task = run.now.task
             client.receive({**download, **extra} if extra else download)
-            start = time.perf_counter()
-            try:
-                losses = hook.fedaval_client_train(run=run, client=client, round=round) or {}
-            finally:
-                seconds = time.perf_counter() - start
+            losses = hook.fedaval_client_train(run=run, client=client, round=round) or {}
             check_losses(losses)
             entries = merge_entries(hook.fedaval_client_upload(run=run, client=client), "upload")
             check_finite(entries, "upload")
@@ -81,7 +77,8 @@ def client_round(
             raise  # a plugin misused (a clashing loss-term name): the same in every client, not a client failure
         except Exception as exc:  # noqa: BLE001 - the coordinator applies the failure policy
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return ClientRound(client.id, failure=reason, error=exc, seconds=seconds)
+            return ClientRound(client.id, failure=reason, error=exc, seconds=time.perf_counter() - start)
+    seconds = time.perf_counter() - start
     return ClientRound(
         client.id, losses=losses, upload=Upload(client.id, client.num_samples(), entries), seconds=seconds
     )
