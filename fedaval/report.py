@@ -511,13 +511,26 @@ def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
     with open(path, "rb") as fh:
         import tomllib
 
-        base_plugins = list(tomllib.load(fh).get("plugins") or ["fedavg"])
+        data = tomllib.load(fh)
+    base_plugins = list(data.get("plugins") or ["fedavg"])
+    # the file's own option values: a row that sets none of them (``""``) runs with these
+    file_options = {
+        f"{owner}.{key}": _as_text(value)
+        for owner, values in (data.get("options") or {}).items()
+        for key, value in values.items()
+    }
     table = read_paper_table(path)
     if not table:
         raise FedavalUsageError(f"--paper {str(path)!r} has no [paper] table; see configs/repro-*.toml")
     runs = table.get("runs") or {}
-    expected = {name: _row_expectation(base_plugins, args) for name, args in runs.items()}
-    mentioned = {key for _, opts in expected.values() for key in opts}
+    expected = {}
+    for name, args in runs.items():
+        plugins, opts = _row_expectation(base_plugins, args)
+        own = {k: v for k, v in file_options.items() if k.split(".")[0] in plugins}  # a replaced plugin's are dropped
+        expected[name] = (plugins, {**own, **opts})
+    mentioned = {
+        key for _, (_, opts) in zip(runs, (_row_expectation(base_plugins, a) for a in runs.values())) for key in opts
+    }
     drop_default = lambda plugins: [p for p in plugins if p != "fedavg"] or ["fedavg"]  # noqa: E731
     names: dict[int, str] = {}
     for index, group in enumerate(groups):

@@ -1,0 +1,63 @@
+"""Fill the measured cells of docs/reproduction.md from the committed
+reports (benchmarks/results/reproduction/<config>/report.csv, written by
+``fedaval report RUNS --paper configs/<config>.toml``); rows without runs
+keep "not run yet". tests/test_reproduction.py checks the result.
+
+    python benchmarks/fill_reproduction.py
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fedaval.report import reproduction_cell  # noqa: E402
+
+COLUMN_METRIC = {
+    "measured A_glo": "a_glo",
+    "measured A_loc": "a_loc",
+    "measured A_sel": "a_sel",
+    "measured avg": "average_client_accuracy",
+    "measured final": "client_accuracy",
+}
+
+
+def main() -> None:
+    path = ROOT / "docs" / "reproduction.md"
+    out, config, header, report, metric = [], None, None, {}, None
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            config, header = None, None
+        found = re.search(r"Config: `configs/([^`]+)`", line)
+        if found:
+            config = found.group(1)
+            csv_path = ROOT / "benchmarks" / "results" / "reproduction" / config.removesuffix(".toml") / "report.csv"
+            report = {r["paper_row"]: r for r in csv.DictReader(csv_path.open())} if csv_path.exists() else {}
+            metric = tomllib.loads((ROOT / "configs" / config).read_text())["paper"]["metric"]
+        if not line.startswith("|") or config is None:
+            header = None if not line.startswith("|") else header
+            out.append(line)
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not set(line) <= set("|-: ") and cells[0] in report:
+            row = report[cells[0]]
+            for i, title in enumerate(header):
+                if title.startswith("measured"):
+                    key = COLUMN_METRIC.get(title, metric)
+                    mean, std = (float(row[f"{key}_{s}"]) if row.get(f"{key}_{s}") else None for s in ("mean", "std"))
+                    cells[i] = reproduction_cell(mean, std, int(row["runs"]))
+            line = "| " + " | ".join(cells) + " |"
+        out.append(line)
+    path.write_text("\n".join(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
