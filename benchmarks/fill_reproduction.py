@@ -17,15 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedaval.report import reproduction_cell  # noqa: E402
-
-COLUMN_METRIC = {
-    "measured A_glo": "a_glo",
-    "measured A_loc": "a_loc",
-    "measured A_sel": "a_sel",
-    "measured avg": "average_client_accuracy",
-    "measured final": "client_accuracy",
-}
+from fedaval.report import REPRODUCTION_COLUMNS, reproduction_cell  # noqa: E402
 
 
 def main() -> None:
@@ -51,7 +43,7 @@ def main() -> None:
             row = report[cells[0]]
             for i, title in enumerate(header):
                 if title.startswith("measured"):
-                    key = COLUMN_METRIC.get(title, metric)
+                    key = REPRODUCTION_COLUMNS.get(title, metric)
                     mean, std = (float(row[f"{key}_{s}"]) if row.get(f"{key}_{s}") else None for s in ("mean", "std"))
                     cells[i] = reproduction_cell(mean, std, int(row["runs"]))
             line = "| " + " | ".join(cells) + " |"

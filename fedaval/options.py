@@ -131,6 +131,10 @@ def non_negative(value: float) -> str | None:
     return None if value >= 0 else "must be >= 0"
 
 
+def at_least_one(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
 def unit_interval(value: float) -> str | None:
     return None if 0 <= value <= 1 else "must be in [0, 1]"
 

@@ -460,6 +460,17 @@ def csv_table(rows: list[Row], paper: PaperRows | None = None) -> str:
 # ---------------------------------------------------------------- the paper's numbers
 
 
+#: docs/reproduction.md's measured columns -> report metric (a column
+#: headed just "measured" shows the config's ``[paper] metric``)
+REPRODUCTION_COLUMNS = {
+    "measured A_glo": "a_glo",
+    "measured A_loc": "a_loc",
+    "measured A_sel": "a_sel",
+    "measured avg": "average_client_accuracy",
+    "measured final": "client_accuracy",
+}
+
+
 def reproduction_cell(mean: float | None, std: float | None, runs: int) -> str:
     """A measured cell of docs/reproduction.md from a report.csv's fraction
     mean and std over ``runs`` seeds: ``"14.75 ± 1.35 (3 seeds)"``,
@@ -523,13 +534,11 @@ def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
     if not table:
         raise FedavalUsageError(f"--paper {str(path)!r} has no [paper] table; see configs/repro-*.toml")
     runs = table.get("runs") or {}
-    expected = {}
-    for name, args in runs.items():
-        plugins, opts = _row_expectation(base_plugins, args)
-        own = {k: v for k, v in file_options.items() if k.split(".")[0] in plugins}  # a replaced plugin's are dropped
-        expected[name] = (plugins, {**own, **opts})
-    mentioned = {
-        key for _, (_, opts) in zip(runs, (_row_expectation(base_plugins, a) for a in runs.values())) for key in opts
+    rows = {name: _row_expectation(base_plugins, args) for name, args in runs.items()}
+    mentioned = {key for _, opts in rows.values() for key in opts}
+    expected = {
+        name: (plugins, {**{k: v for k, v in file_options.items() if k.split(".")[0] in plugins}, **opts})
+        for name, (plugins, opts) in rows.items()  # a plugin the row replaced loses the file's options
     }
     drop_default = lambda plugins: [p for p in plugins if p != "fedavg"] or ["fedavg"]  # noqa: E731
     names: dict[int, str] = {}

@@ -71,14 +71,6 @@ def test_docs_list_every_row_with_its_command_and_paper_number(path):
 
 
 REPORTS = ROOT / "benchmarks" / "results" / "reproduction"
-#: measured column of docs/reproduction.md -> report.csv metric
-COLUMN_METRIC = {
-    "measured A_glo": "a_glo",
-    "measured A_loc": "a_loc",
-    "measured A_sel": "a_sel",
-    "measured avg": "average_client_accuracy",
-    "measured final": "client_accuracy",
-}
 
 
 def section_tables(markdown):
@@ -113,7 +105,7 @@ def test_every_measured_cell_comes_from_the_committed_report():
     benchmarks/reproduce.py): no number is typed in by hand."""
     import csv
 
-    from fedaval.report import reproduction_cell
+    from fedaval.report import REPRODUCTION_COLUMNS, reproduction_cell
 
     tables = section_tables((ROOT / "docs" / "reproduction.md").read_text())
     assert set(tables) == {p.name for p in CONFIGS}
@@ -126,7 +118,7 @@ def test_every_measured_cell_comes_from_the_committed_report():
             for title, cell in zip(header, cells):
                 if not title.startswith("measured") or cell == "not run yet":
                     continue
-                key = COLUMN_METRIC.get(title, metric)
+                key = REPRODUCTION_COLUMNS.get(title, metric)
                 row = report[cells[0]]
                 mean, std = (float(row[f"{key}_{s}"]) if row[f"{key}_{s}"] else None for s in ("mean", "std"))
                 assert cell == reproduction_cell(mean, std, int(row["runs"])), (config, cells[0], title)

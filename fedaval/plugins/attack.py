@@ -45,22 +45,18 @@ from pathlib import Path
 from typing import Any
 
 from fedaval import hookimpl
-from fedaval.options import non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive
 from fedaval.plugin import Plugin
-
-
-def _at_least_one(value: int) -> str | None:
-    return None if value >= 1 else "must be >= 1"
 
 
 @dataclass
 class AttackOptions:
-    every: int = option(1, "attack on every N-th round", _at_least_one)
-    clients: int = option(1, "uploads attacked per attacked round (sampled)", _at_least_one)
+    every: int = option(1, "attack on every N-th round", at_least_one)
+    clients: int = option(1, "uploads attacked per attacked round (sampled)", at_least_one)
     ids: list[int] = option([], "attack these client ids instead of a sample (fedaval attack --clients)")
     rounds: list[int] = option([], "attack exactly these rounds instead of every N-th (fedaval attack --round)")
-    images: int = option(1, "images reconstructed per weight upload / classes per prototype upload", _at_least_one)
-    iterations: int = option(200, "optimisation steps per reconstruction", _at_least_one)
+    images: int = option(1, "images reconstructed per weight upload / classes per prototype upload", at_least_one)
+    iterations: int = option(200, "optimisation steps per reconstruction", at_least_one)
     tv: float = option(0.2, "total-variation prior weight (weights attack; 0.05 x this for prototypes)", non_negative)
     step_size: float = option(0.1, "step size of the optimiser on the image", positive)
     folder: str = option("", "where the PNG grids go (empty: RUN_DIR/privacy)")

@@ -72,7 +72,7 @@ from torch import nn
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import option, positive
+from fedaval.options import at_least_one, non_negative, option, positive
 from fedaval.plugin import Plugin
 from fedaval.plugins.creff_math import per_class_gradients, retrain_classifier, update_federated_features
 from fedaval.prototypes import extract_features, mean_over_holders
@@ -83,24 +83,16 @@ WEIGHT, BIAS = "classifier.weight", "classifier.bias"
 PENDING = StashKey[dict]("creff.gradients")  # this round's real-feature gradients, to upload
 
 
-def _at_least_one(value) -> str | None:
-    return None if value >= 1 else "must be >= 1"
-
-
-def _at_least_zero(value) -> str | None:
-    return None if value >= 0 else "must be >= 0"
-
-
 @dataclass
 class CReFFOptions:
-    features_per_class: int = option(100, "federated features per class on the server", _at_least_one)
-    match_steps: int = option(100, "SGD steps of gradient matching per round", _at_least_zero)
+    features_per_class: int = option(100, "federated features per class on the server", at_least_one)
+    match_steps: int = option(100, "SGD steps of gradient matching per round", non_negative)
     feature_lr: float = option(0.1, "learning rate of the federated features", positive)
     retrain_epochs: int = option(
-        300, "epochs of classifier re-training on the federated features per round", _at_least_zero
+        300, "epochs of classifier re-training on the federated features per round", non_negative
     )
     retrain_lr: float = option(0.01, "learning rate of the classifier re-training", positive)
-    retrain_batch: int = option(32, "minibatch size of the classifier re-training", _at_least_one)
+    retrain_batch: int = option(32, "minibatch size of the classifier re-training", at_least_one)
     retrain_init: Literal["global", "fresh"] = option(
         "global", "re-training starts from a copy of the FedAvg classifier (global) or a new seeded one (fresh)"
     )

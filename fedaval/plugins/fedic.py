@@ -59,7 +59,7 @@ import torch
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive
 from fedaval.plugin import Plugin
 from fedaval.plugins.creff import require_shared_head
 from fedaval.plugins.fedic_math import (
@@ -75,31 +75,23 @@ from fedaval.streams import make_dataset
 ENTRY = "fedic_counts"
 
 
-def _at_least_one(value) -> str | None:
-    return None if value >= 1 else "must be >= 1"
-
-
-def _at_least_zero(value) -> str | None:
-    return None if value >= 0 else "must be >= 0"
-
-
 @dataclass
 class FEDICOptions:
     proxy: Literal["held-out", "train"] = option(
         "held-out", "where the server's proxy set comes from: training samples no client holds, or any training samples"
     )
-    proxy_per_class: int = option(5, "proxy samples per class on the server", _at_least_one)
+    proxy_per_class: int = option(5, "proxy samples per class on the server", at_least_one)
     tau: float = option(1.0, "logit-adjustment strength tau", non_negative)
     smoothing: float = option(1.0, "additive smoothing of the class counts behind the prior", positive)
     calibration: Literal["gated", "full", "none"] = option(
         "gated", "gated: learned gate on the logit adjustment; full: gate = 1; none: raw ensemble"
     )
-    gate_steps: int = option(100, "SGD steps fitting the calibration gate per round", _at_least_zero)
+    gate_steps: int = option(100, "SGD steps fitting the calibration gate per round", non_negative)
     gate_lr: float = option(0.1, "learning rate of the calibration gate", positive)
     temperature: float = option(2.0, "distillation temperature T", positive)
-    distill_steps: int = option(100, "SGD steps of distillation into the global model per round", _at_least_zero)
+    distill_steps: int = option(100, "SGD steps of distillation into the global model per round", non_negative)
     distill_lr: float = option(0.01, "learning rate of the distillation", positive)
-    distill_batch: int = option(32, "minibatch size of the distillation", _at_least_one)
+    distill_batch: int = option(32, "minibatch size of the distillation", at_least_one)
 
 
 class FEDIC(Plugin):

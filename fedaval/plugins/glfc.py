@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fedaval import hookimpl
-from fedaval.options import non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -89,19 +89,9 @@ SIGNAL = StashKey[dict]("glfc.signal")  # this round's entropy and detection
 PENDING = StashKey[dict]("glfc.pending")  # class -> LeNet gradient, to upload
 
 
-def _at_least_one(value: int) -> str | None:
-    return None if value >= 1 else "must be >= 1"
-
-
-def _non_negative_int(value: int) -> str | None:
-    return None if value >= 0 else "must be >= 0"
-
-
 @dataclass
 class GLFCOptions:
-    memory_per_class: int = option(
-        20, "exemplars kept per class of each finished task (0: no memory)", _non_negative_int
-    )
+    memory_per_class: int = option(20, "exemplars kept per class of each finished task (0: no memory)", non_negative)
     compensation: bool = option(True, "class-aware gradient compensation (false: plain cross-entropy)")
     rd_weight: float = option(1.0, "weight of the relation distillation term", non_negative)
     temperature: float = option(2.0, "relation distillation temperature T", positive)
@@ -109,9 +99,9 @@ class GLFCOptions:
     entropy_threshold: float = option(
         0.3, "entropy rise (nats) over the previous round that detects a new task", non_negative
     )
-    entropy_samples: int = option(256, "training samples the entropy is measured on", _at_least_one)
+    entropy_samples: int = option(256, "training samples the entropy is measured on", at_least_one)
     perturb_std: float = option(0.1, "std of the Gaussian noise on the prototype image", non_negative)
-    inversion_steps: int = option(20, "L-BFGS steps of the proxy's gradient inversion", _at_least_one)
+    inversion_steps: int = option(20, "L-BFGS steps of the proxy's gradient inversion", at_least_one)
     inversion_lr: float = option(1.0, "L-BFGS learning rate of the inversion", positive)
 
 

@@ -66,15 +66,11 @@ from torch.utils.data import DataLoader
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
 STATS = StashKey[dict]("hgp.stats")  # class -> ClassGaussian: the client's statistics so far
-
-
-def _at_least_one(value: int) -> str | None:
-    return None if value >= 1 else "must be >= 1"
 
 
 @dataclass
@@ -92,19 +88,19 @@ class HGPOptions:
         "side the images are resized to inside the model (0: the dataset's for vit, 224 for efficientnet-lite0)",
         non_negative,
     )
-    vit_patch: int = option(4, "ViT patch size (vit_b_16: 16)", _at_least_one)
-    vit_dim: int = option(64, "ViT width (vit_b_16: 768)", _at_least_one)
-    vit_depth: int = option(4, "ViT encoder layers (vit_b_16: 12)", _at_least_one)
-    vit_heads: int = option(4, "ViT attention heads (vit_b_16: 12)", _at_least_one)
-    vit_mlp_dim: int = option(128, "ViT MLP width (vit_b_16: 3072)", _at_least_one)
+    vit_patch: int = option(4, "ViT patch size (vit_b_16: 16)", at_least_one)
+    vit_dim: int = option(64, "ViT width (vit_b_16: 768)", at_least_one)
+    vit_depth: int = option(4, "ViT encoder layers (vit_b_16: 12)", at_least_one)
+    vit_heads: int = option(4, "ViT attention heads (vit_b_16: 12)", at_least_one)
+    vit_mlp_dim: int = option(128, "ViT MLP width (vit_b_16: 3072)", at_least_one)
     prompt_length: int = option(5, "prefix length: learnable keys and values per attention layer", non_negative)
     covariance: Literal["full", "diag"] = option("full", "class covariance uploaded: full (D^2 numbers) or diag (D)")
     stats_classes: Literal["task", "seen"] = option(
         "task", "classes a client uploads statistics for: task (current task; server remembers) or seen (all, re-sent)"
     )
     rebalance: bool = option(True, "retrain the global classifier on synthetic features each round (off: ablation)")
-    synthetic_per_class: int = option(256, "synthetic features sampled per seen class for re-balancing", _at_least_one)
-    rebalance_epochs: int = option(5, "epochs of classifier re-balancing on the server", _at_least_one)
+    synthetic_per_class: int = option(256, "synthetic features sampled per seen class for re-balancing", at_least_one)
+    rebalance_epochs: int = option(5, "epochs of classifier re-balancing on the server", at_least_one)
     rebalance_lr: float = option(0.01, "learning rate of classifier re-balancing (SGD, momentum 0.9)", positive)
     jitter: float = option(
         1e-4, "added to a full covariance's diagonal (times its mean variance) before sampling", non_negative

@@ -63,14 +63,9 @@ import torch
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
-
-
-def _at_least_one(value: int) -> str | None:
-    return None if value >= 1 else "must be >= 1"
-
 
 LOCAL = StashKey[dict]("pfcl.local")  # {class: local prototype}
 RECEIVED = StashKey[dict]("pfcl.received")  # the global library last received
@@ -97,8 +92,8 @@ class PFCL(Plugin):
         memory: Literal["per-class", "total", "none"] = option(
             "per-class", "exemplar memory policy: fixed number per class, fixed total, or none"
         )
-        memory_per_class: int = option(20, "exemplars per class (memory=per-class)", _at_least_one)
-        memory_size: int = option(200, "exemplars in all, shared by the seen classes (memory=total)", _at_least_one)
+        memory_per_class: int = option(20, "exemplars per class (memory=per-class)", at_least_one)
+        memory_size: int = option(200, "exemplars in all, shared by the seen classes (memory=total)", at_least_one)
         models: list[str] = option([], "backbones cycled over clients, e.g. mlp,cnn (empty: --model)")
         feature_dim: int = option(0, "feature size of every backbone (0: the model's default)", non_negative)
 

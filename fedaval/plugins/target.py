@@ -79,7 +79,7 @@ from typing import Any, Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -89,10 +89,6 @@ TEACHER = StashKey[tuple]("target.teacher")  # (task, frozen model): the previou
 SYNTHETIC = StashKey[tuple]("target.synthetic")  # (task, images on the run's device)
 
 
-def _at_least_one(value: int) -> str | None:
-    return None if value >= 1 else "must be >= 1"
-
-
 @dataclass
 class TargetOptions:
     ce: Literal["current", "all"] = option(
@@ -100,11 +96,11 @@ class TargetOptions:
     )
     kd_weight: float = option(1.0, "weight of the distillation term on synthetic data", non_negative)
     temperature: float = option(2.0, "distillation temperature T", positive)
-    synthetic_size: int = option(256, "synthetic images made at each task end and sent to the clients", _at_least_one)
-    synthetic_batch: int = option(32, "synthetic images per local step (and per generator batch)", _at_least_one)
-    generator_steps: int = option(50, "generator steps per synthetic batch", _at_least_one)
-    generator_width: int = option(32, "channels of the generator's first stage", _at_least_one)
-    noise_dim: int = option(64, "generator noise dimension", _at_least_one)
+    synthetic_size: int = option(256, "synthetic images made at each task end and sent to the clients", at_least_one)
+    synthetic_batch: int = option(32, "synthetic images per local step (and per generator batch)", at_least_one)
+    generator_steps: int = option(50, "generator steps per synthetic batch", at_least_one)
+    generator_width: int = option(32, "channels of the generator's first stage", at_least_one)
+    noise_dim: int = option(64, "generator noise dimension", at_least_one)
     lr_generator: float = option(1e-2, "generator (and noise) Adam learning rate", positive)
     lr_student: float = option(1e-2, "student SGD learning rate (adversarial term)", positive)
     bn_weight: float = option(1.0, "weight of the BatchNorm-statistics loss", non_negative)
