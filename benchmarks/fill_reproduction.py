@@ -1,6 +1,7 @@
 """Fill the measured cells of docs/reproduction.md from the committed
-reports (benchmarks/results/reproduction/<config>/report.csv, written by
-``fedaval report RUNS --paper configs/<config>.toml``); rows without runs
+reports (every report.csv in benchmarks/results/reproduction/<config>/ and
+its subfolders, written by ``fedaval report RUNS --paper configs/<config>.toml``
+through benchmarks/reproduce.py); rows without runs
 keep "not run yet". tests/test_reproduction.py checks the result.
 
     python benchmarks/fill_reproduction.py
@@ -8,7 +9,6 @@ keep "not run yet". tests/test_reproduction.py checks the result.
 
 from __future__ import annotations
 
-import csv
 import re
 import sys
 import tomllib
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedaval.report import REPRODUCTION_COLUMNS, reproduction_cell  # noqa: E402
+from fedaval.report import REPRODUCTION_COLUMNS, committed_reports, reproduction_cell  # noqa: E402
 
 
 def main() -> None:
@@ -29,8 +29,7 @@ def main() -> None:
         found = re.search(r"Config: `configs/([^`]+)`", line)
         if found:
             config = found.group(1)
-            csv_path = ROOT / "benchmarks" / "results" / "reproduction" / config.removesuffix(".toml") / "report.csv"
-            report = {r["paper_row"]: r for r in csv.DictReader(csv_path.open())} if csv_path.exists() else {}
+            report = committed_reports(ROOT / "benchmarks" / "results" / "reproduction" / config.removesuffix(".toml"))
             metric = tomllib.loads((ROOT / "configs" / config).read_text())["paper"]["metric"]
         if not line.startswith("|") or config is None:
             header = None if not line.startswith("|") else header

@@ -12,6 +12,12 @@ time, each with one torch thread. A run folder whose results.json says
 ``fedaval train --resume``, so the script can be stopped and started again.
 Each run's output goes to ``OUT_DIR/<row>-s<S>.log``. At the end it runs
 ``fedaval report OUT_DIR/*-s* --paper CONFIG --out-dir OUT_DIR/report``.
+
+``--keep DIR`` (e.g. ``benchmarks/results/reproduction/<config>/<batch>``)
+copies each complete run's ``config.json`` and ``results.json`` (no
+checkpoints, no TensorBoard events) to ``DIR/<row>-s<S>/`` and makes the
+report from those copies into ``DIR``, so the committed report can be made
+again, and extended with more seeds, from committed runs.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -103,6 +110,15 @@ def _run(label: str, argv: list[str], folder: Path) -> tuple[str, str, float]:
     return label, "ok" if code == 0 else f"exit {code}", seconds
 
 
+def keep(folder: Path, into: Path) -> Path:
+    """Copy a complete run's ``config.json`` and ``results.json`` to ``into/<folder name>``."""
+    target = into / folder.name
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "results.json"):
+        shutil.copyfile(folder / name, target / name)
+    return target
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", type=Path)
@@ -110,6 +126,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--rows", nargs="*", help="only these [paper.runs] rows (default: all)")
     parser.add_argument("--seeds", nargs="*", type=int, help="only these of the file's seeds (default: all)")
+    parser.add_argument("--keep", type=Path, help="copy complete runs' config.json and results.json here")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     todo = commands(args.config, args.out_dir, args.rows, args.seeds)
@@ -119,6 +136,10 @@ def main() -> int:
             print(f"{label:<40} {outcome:<18} {seconds:7.0f} s", flush=True)
             failed += not outcome.startswith(("ok", "already", "running elsewhere"))
     folders = sorted(str(f) for _, _, f in todo if run_status(f) == "complete")
+    report_dir = args.out_dir / "report"
+    if args.keep is not None:
+        folders = [str(keep(Path(f), args.keep)) for f in folders]
+        report_dir = args.keep
     if folders:
         report = [
             *fedaval(),
@@ -127,7 +148,7 @@ def main() -> int:
             "--paper",
             str(args.config),
             "--out-dir",
-            str(args.out_dir / "report"),
+            str(report_dir),
         ]
         subprocess.call(report)
     return 1 if failed else 0

@@ -481,6 +481,25 @@ def reproduction_cell(mean: float | None, std: float | None, runs: int) -> str:
     return f"{100 * mean:.2f}{spread} ({runs} seed{'s' if runs != 1 else ''})"
 
 
+def committed_reports(folder: Path) -> dict[str, dict[str, str]]:
+    """The paper rows of every ``report.csv`` in ``folder`` and its subfolders
+    (benchmarks/results/reproduction/<config>/, one report per batch of runs
+    made by ``benchmarks/reproduce.py``), by paper row name. A paper row in
+    two reports is an error: each cell must come from one set of runs."""
+    rows: dict[str, dict[str, str]] = {}
+    where: dict[str, Path] = {}
+    for path in sorted(folder.rglob("report.csv")):
+        with path.open() as fh:
+            for row in csv.DictReader(fh):
+                name = row["paper_row"]
+                if not name:
+                    continue
+                if name in rows:
+                    raise ValueError(f"paper row {name!r} is in two reports: {where[name]} and {path}")
+                rows[name], where[name] = row, path
+    return rows
+
+
 @dataclass
 class PaperRows:
     """A config's ``[paper]`` table matched to the report's rows:

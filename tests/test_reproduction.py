@@ -100,19 +100,16 @@ def section_tables(markdown):
 
 def test_every_measured_cell_comes_from_the_committed_report():
     """A measured cell is "not run yet" or exactly what the committed
-    ``fedaval report --paper`` CSV of its table gives for its paper row
-    (benchmarks/results/reproduction/<config>/report.csv, written by
+    ``fedaval report --paper`` CSVs of its table give for its paper row
+    (benchmarks/results/reproduction/<config>/**/report.csv, written by
     benchmarks/reproduce.py): no number is typed in by hand."""
-    import csv
-
-    from fedaval.report import REPRODUCTION_COLUMNS, reproduction_cell
+    from fedaval.report import REPRODUCTION_COLUMNS, committed_reports, reproduction_cell
 
     tables = section_tables((ROOT / "docs" / "reproduction.md").read_text())
     assert set(tables) == {p.name for p in CONFIGS}
     filled = 0
     for config, rows in tables.items():
-        csv_path = REPORTS / config.removesuffix(".toml") / "report.csv"
-        report = {r["paper_row"]: r for r in csv.DictReader(csv_path.open())} if csv_path.exists() else {}
+        report = committed_reports(REPORTS / config.removesuffix(".toml"))
         metric = read_paper_table(ROOT / "configs" / config)["metric"]
         for header, cells in rows:
             for title, cell in zip(header, cells):
@@ -169,3 +166,21 @@ def test_every_row_command_gets_past_the_option_checks(path, name, arguments, tm
     argv = ["train", "--config", str(path), *shlex.split(arguments), "--seed", "42", "--quiet"]
     result = CliRunner().invoke(cli, [*argv, "--out", str(tmp_path / "run")])
     assert isinstance(result.exception, ReachedData), (result.exit_code, result.output)
+
+
+def test_committed_reports_reads_every_batch_and_refuses_a_row_twice(tmp_path):
+    """Rows come from report.csv files in the config's folder and its batch
+    subfolders; one paper row in two reports is an error (a cell must come
+    from one set of runs)."""
+    from fedaval.report import committed_reports
+
+    header = "paper_row,method,runs,final_accuracy_mean\n"
+    (tmp_path / "report.csv").write_text(header + "FedAvg,fedavg,3,0.16\n,gldp,1,0.2\n")
+    (tmp_path / "session5").mkdir()
+    (tmp_path / "session5" / "report.csv").write_text(header + "CReFF,creff,2,0.3\n")
+    rows = committed_reports(tmp_path)
+    assert sorted(rows) == ["CReFF", "FedAvg"]  # the unmatched group (no paper row) is left out
+    assert rows["CReFF"]["final_accuracy_mean"] == "0.3"
+    (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedavg,1,0.2\n")
+    with pytest.raises(ValueError, match="'FedAvg' is in two reports"):
+        committed_reports(tmp_path)
