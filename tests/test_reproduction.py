@@ -184,3 +184,23 @@ def test_committed_reports_reads_every_batch_and_refuses_a_row_twice(tmp_path):
     (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedavg,1,0.2\n")
     with pytest.raises(ValueError, match="'FedAvg' is in two reports"):
         committed_reports(tmp_path)
+
+
+def test_reproduce_keeps_a_runs_config_and_results_only(tmp_path):
+    """``reproduce.py --keep`` copies what ``fedaval report`` reads (config.json,
+    results.json) and leaves checkpoints and TensorBoard events behind."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reproduce", ROOT / "benchmarks" / "reproduce.py")
+    reproduce = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reproduce)
+    run = tmp_path / "runs" / "fedavg-s42"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "tb").mkdir()
+    (run / "config.json").write_text('{"seed": 42}')
+    (run / "results.json").write_text('{"status": {"state": "complete"}}')
+    (run / "checkpoints" / "round-000001.ckpt").write_bytes(b"x")
+    kept = reproduce.keep(run, tmp_path / "kept")
+    assert kept == tmp_path / "kept" / "fedavg-s42"
+    assert sorted(p.name for p in kept.iterdir()) == ["config.json", "results.json"]
+    assert (kept / "config.json").read_text() == '{"seed": 42}'
