@@ -484,8 +484,14 @@ def reproduction_cell(mean: float | None, std: float | None, runs: int) -> str:
 def committed_reports(folder: Path) -> dict[str, dict[str, str]]:
     """The paper rows of every ``report.csv`` in ``folder`` and its subfolders
     (benchmarks/results/reproduction/<config>/, one report per batch of runs
-    made by ``benchmarks/reproduce.py``), by paper row name. A paper row in
-    two reports is an error: each cell must come from one set of runs."""
+    made by ``benchmarks/reproduce.py``), by paper row name.
+
+    A paper row in several reports (more seeds run in a later batch) is
+    pooled: the runs of every batch count once, each metric's mean and sample
+    standard deviation are those of all runs together (:func:`pool`). The
+    batches must hold different seeds of the same setting; a seed in two
+    batches (the same run counted twice) or a row whose method, scenario,
+    dataset or setting differs between batches is an error."""
     rows: dict[str, dict[str, str]] = {}
     where: dict[str, Path] = {}
     for path in sorted(folder.rglob("report.csv")):
@@ -495,9 +501,56 @@ def committed_reports(folder: Path) -> dict[str, dict[str, str]]:
                 if not name:
                     continue
                 if name in rows:
-                    raise ValueError(f"paper row {name!r} is in two reports: {where[name]} and {path}")
+                    try:
+                        row = pool(rows[name], row)
+                    except ValueError as exc:
+                        raise ValueError(f"paper row {name!r} in {where[name]} and {path}: {exc}") from None
                 rows[name], where[name] = row, path
     return rows
+
+
+#: The columns of a report.csv row that name what was run: pooled rows must agree on them.
+_SAME_SETTING = ("method", "scenario", "dataset", "setting")
+
+
+def pool(a: dict[str, str], b: dict[str, str]) -> dict[str, str]:
+    """Two report.csv rows of the same setting with disjoint seeds as one:
+    for each metric ``<m>_mean``, ``<m>_std``, ``<m>_n`` the mean and sample
+    standard deviation of the union of both groups of runs (exact: the
+    within-group sums of squares plus each group's offset from the pooled
+    mean), ``runs``, ``seeds`` and ``run_dirs`` joined."""
+    different = [key for key in _SAME_SETTING if key in a and a.get(key) != b.get(key)]
+    if different:
+        raise ValueError(
+            f"different {', '.join(different)}: {[a[k] for k in different]} vs {[b.get(k) for k in different]}"
+        )
+    seeds_a, seeds_b = a.get("seeds", "").split(), b.get("seeds", "").split()
+    if not seeds_a or not seeds_b or set(seeds_a) & set(seeds_b):
+        raise ValueError(f"seeds must differ between batches, got {seeds_a} and {seeds_b}")
+    out = dict(a)
+    out["runs"] = str(int(a["runs"]) + int(b["runs"]))
+    out["seeds"] = " ".join(sorted(seeds_a + seeds_b))
+    out["run_dirs"] = " ".join(x for x in (a.get("run_dirs", ""), b.get("run_dirs", "")) if x)
+    for key in a:
+        if not key.endswith("_mean"):
+            continue
+        stem = key.removesuffix("_mean")
+        n_a, n_b = int(a.get(f"{stem}_n") or 0), int(b.get(f"{stem}_n") or 0)
+        if n_b == 0:
+            continue
+        if n_a == 0:
+            for part in ("_mean", "_std", "_n"):
+                out[stem + part] = b.get(stem + part, "")
+            continue
+        m_a, m_b = float(a[key]), float(b[key])
+        n = n_a + n_b
+        mean = (n_a * m_a + n_b * m_b) / n
+        squares = sum(
+            (k - 1) * float(s or 0) ** 2 + k * (m - mean) ** 2
+            for k, m, s in ((n_a, m_a, a.get(f"{stem}_std")), (n_b, m_b, b.get(f"{stem}_std")))
+        )
+        out[key], out[f"{stem}_std"], out[f"{stem}_n"] = repr(mean), repr(math.sqrt(squares / (n - 1))), str(n)
+    return out
 
 
 @dataclass

@@ -168,21 +168,38 @@ def test_every_row_command_gets_past_the_option_checks(path, name, arguments, tm
     assert isinstance(result.exception, ReachedData), (result.exit_code, result.output)
 
 
-def test_committed_reports_reads_every_batch_and_refuses_a_row_twice(tmp_path):
+def test_committed_reports_reads_every_batch_and_pools_a_row_over_batches(tmp_path):
     """Rows come from report.csv files in the config's folder and its batch
-    subfolders; one paper row in two reports is an error (a cell must come
-    from one set of runs)."""
+    subfolders; a paper row in two batches (more seeds run later) is pooled
+    into the mean and sample std of all its runs; the same seed twice or a
+    different setting is an error."""
+    import statistics
+
     from fedaval.report import committed_reports
 
-    header = "paper_row,method,runs,final_accuracy_mean\n"
-    (tmp_path / "report.csv").write_text(header + "FedAvg,fedavg,3,0.16\n,gldp,1,0.2\n")
+    header = "paper_row,method,setting,runs,seeds,run_dirs,final_accuracy_mean,final_accuracy_std,final_accuracy_n\n"
+    first = [0.10, 0.16, 0.19]
+    row = f"{statistics.mean(first)},{statistics.stdev(first)},3"
+    (tmp_path / "report.csv").write_text(header + f"FedAvg,fedavg,,3,1 2 3,r1 r2 r3,{row}\n,gldp,,1,42,x,0.2,,1\n")
     (tmp_path / "session5").mkdir()
-    (tmp_path / "session5" / "report.csv").write_text(header + "CReFF,creff,2,0.3\n")
+    (tmp_path / "session5" / "report.csv").write_text(header + "CReFF,creff,,2,1 2,a b,0.3,0.01,2\n")
     rows = committed_reports(tmp_path)
     assert sorted(rows) == ["CReFF", "FedAvg"]  # the unmatched group (no paper row) is left out
     assert rows["CReFF"]["final_accuracy_mean"] == "0.3"
-    (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedavg,1,0.2\n")
-    with pytest.raises(ValueError, match="'FedAvg' is in two reports"):
+    (tmp_path / "session5" / "report.csv").write_text(
+        header + "FedAvg,fedavg,,2,4 5,r4 r5,0.25,0.07071067811865477,2\n"
+    )
+    pooled = committed_reports(tmp_path)["FedAvg"]
+    every = first + [0.2, 0.3]  # mean 0.25, std 0.0707 of the second batch
+    assert float(pooled["final_accuracy_mean"]) == pytest.approx(statistics.mean(every))
+    assert float(pooled["final_accuracy_std"]) == pytest.approx(statistics.stdev(every))
+    assert (pooled["final_accuracy_n"], pooled["runs"], pooled["seeds"]) == ("5", "5", "1 2 3 4 5")
+    assert pooled["run_dirs"] == "r1 r2 r3 r4 r5"
+    (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedavg,,1,3,r3,0.2,,1\n")
+    with pytest.raises(ValueError, match="'FedAvg'.*seeds must differ"):
+        committed_reports(tmp_path)
+    (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedavg,fedavg.mu=1,1,9,r9,0.2,,1\n")
+    with pytest.raises(ValueError, match="different setting"):
         committed_reports(tmp_path)
 
 
