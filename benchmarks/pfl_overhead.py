@@ -64,6 +64,10 @@ Differences between the two sides:
   does with every floating-point state_dict entry. The integer
   ``num_batches_tracked`` is federated on neither side (unused by BatchNorm
   with its default momentum).
+* Client sampling. pfl's own user samplers draw users at random
+  (``get_user_sampler('random' | 'minimize_reuse')``); the pfl side's sampler
+  replays fedaval's schedule instead, so the same clients train in the same
+  order (pfl's cohort size is one number: every round samples as many).
 * Minibatch order. pfl's ``Dataset`` yields a user's data in stored order, the
   same every epoch; the pfl side's user dataset (a ``Dataset`` subclass) draws
   each epoch's order from the client's generator instead.
@@ -195,8 +199,8 @@ class ClientData(Dataset):
     from the client's generator as a shuffling torch DataLoader draws it
     (``overhead.shuffled``), where pfl's ``Dataset`` keeps the stored order."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, client: dict, round: int, weight: float):
-        super().__init__(raw_data=(x, y), user_id=str(client["id"]), metadata={"round": round, "weight": weight})
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, client: dict, weight: float):
+        super().__init__(raw_data=(x, y), user_id=str(client["id"]), metadata={"weight": weight})
         self.client = client
 
     def iter(self, batch_size):  # noqa: A003 - pfl's name
@@ -223,15 +227,10 @@ class FedAvgAsFedaval(FederatedAveraging):
         return contexts, model, metrics
 
     def train_one_user(self, initial_model_state, model, user_dataset, central_context):
-        if self.exact:
-            from pfl.internal.bridge import FrameworkBridgeFactory as bridges
-
-            bridges.sgd_bridge().do_sgd(model, user_dataset, central_context.model_train_params)
+        statistics, metrics = super().train_one_user(initial_model_state, model, user_dataset, central_context)
+        if self.exact:  # fedaval's terms, (sample count / round total) x local weights in float64
             w = user_dataset.metadata["weight"]
             statistics = MappedVectorStatistics({k: v.detach().double() * w for k, v in model.variable_map.items()})
-            metrics = Metrics()
-        else:
-            statistics, metrics = super().train_one_user(initial_model_state, model, user_dataset, central_context)
         evaluate_client(self.bench, user_dataset.client, model.pytorch_model.net)
         return statistics, metrics
 
@@ -310,7 +309,7 @@ def time_pfl(work, exact: bool = False) -> tuple[float, dict[str, torch.Tensor]]
             client["seen"].append(task)
         total = float(sum(len(clients[j]["slices"][task][1]) for j in schedule[round]))
         x, y = client["slices"][task]
-        return ClientData(x, y, client, round, len(y) / total)
+        return ClientData(x, y, client, len(y) / total)
 
     replay = iter([(round, k) for round, chosen in enumerate(schedule) for k in chosen])
     users = FederatedDataset(make_user, lambda: next(replay))
