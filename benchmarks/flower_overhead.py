@@ -89,7 +89,9 @@ SETTINGS = (
     "model",
     "clients",
     "tasks",
+    "alpha",
     "rounds_per_task",
+    "clients_per_round",
     "local_epochs",
     "batch_size",
     "lr",
@@ -113,8 +115,8 @@ def setup(config) -> dict:
         s = dict(zip(SETTINGS, key))
         data = load_dataset(s["dataset"], s["data_root"] or None, False)
         rng = np.random.default_rng(s["seed"])
-        partition = fcil_sync(data.train_y.numpy(), data.num_classes, s["clients"], s["tasks"], 1.0, rng)
-        schedule = make_schedule(partition, s["rounds_per_task"], 0, rng)
+        partition = fcil_sync(data.train_y.numpy(), data.num_classes, s["clients"], s["tasks"], s["alpha"], rng)
+        schedule = make_schedule(partition, s["rounds_per_task"], s["clients_per_round"], rng)
         _SETUP.clear()
         _SETUP[key] = {"s": s, "data": data, "partition": partition, "schedule": schedule, "models": {}}
     return _SETUP[key]

@@ -7,7 +7,9 @@ the same FedAvg work, in one invocation.
 Same work on both sides: the same partition and client sampling (fedaval's
 scenario function, the run's seed), the same initial model, the same
 minibatches in the same order (each client's own random stream, drawn the way
-fedaval's data loaders draw it), the same number of optimiser steps, FedAvg
+fedaval's data loaders draw it), no augmentation (fedaval's ``--augment none``;
+its default, ``auto``, crops and flips CIFAR-10 and small image folders), the
+same number of optimiser steps, FedAvg
 with the same weights, and the same evaluation after every round (the global
 model on the test samples of every class seen so far, each client trained
 since its last evaluation on its seen classes). The benchmark checks the work
@@ -48,15 +50,17 @@ def run_config(args, out: Path):
     return RunConfig(
         plugins=["fedavg"],
         scenario="fcil-sync",
-        scenario_options={"clients": args.clients, "tasks": args.tasks},
+        scenario_options={"clients": args.clients, "tasks": args.tasks, "alpha": args.alpha},
         dataset=args.dataset,
         data_root=args.data_root,
         model=args.model,
         rounds_per_task=args.rounds_per_task,
+        clients_per_round=args.clients_per_round,
         local_epochs=args.local_epochs,
         batch_size=args.batch_size,
         lr=args.lr,
         momentum=0.0,  # the plain loop's SGD has no momentum
+        augment="none",  # nor augmentation (--augment auto is crop+flip on CIFAR-10 and image folders)
         device=args.device,
         seed=args.seed,
         out=str(out),
@@ -126,8 +130,8 @@ def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
     )
     data = load_dataset(args.dataset, args.data_root, False)
     rng = np.random.default_rng(args.seed)
-    partition = fcil_sync(data.train_y.numpy(), data.num_classes, args.clients, args.tasks, 1.0, rng)
-    schedule = make_schedule(partition, args.rounds_per_task, 0, rng)
+    partition = fcil_sync(data.train_y.numpy(), data.num_classes, args.clients, args.tasks, args.alpha, rng)
+    schedule = make_schedule(partition, args.rounds_per_task, args.clients_per_round, rng)
     train_x, train_y = data.train_x.to(device), data.train_y.to(device)
     test_x, test_y = data.test_x.to(device), data.test_y.to(device)
 
@@ -208,7 +212,11 @@ def add_work_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="auto")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--tasks", type=int, default=5)
+    parser.add_argument(
+        "--alpha", type=float, default=1.0, help="fcil-sync's Dirichlet alpha (very large: equal shares)"
+    )
     parser.add_argument("--rounds-per-task", type=int, default=3)
+    parser.add_argument("--clients-per-round", type=int, default=0, help="clients sampled per round (0: all)")
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01)
