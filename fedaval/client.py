@@ -35,7 +35,8 @@ class Client:
     the tasks it has trained on so far. ``train_stream[t]`` and
     ``test_stream[t]`` are Avalanche experiences; ``test_stream[t]`` holds the
     test samples of the classes task ``t`` teaches this client for the first
-    time, or is ``None`` when it teaches none.
+    time, or is ``None`` when it teaches none; clients with the same task and
+    new classes share one test experience (``run.test_experiences``).
 
     ``stash`` holds the plugins' per-client state (:mod:`fedaval.stash`).
 
@@ -51,7 +52,7 @@ class Client:
 
     def __init__(self, run: Run, client_id: int, tasks: ClientTasks, model: nn.Module):
         from fedaval.evaluation import make_evaluator
-        from fedaval.streams import make_test_stream, make_train_stream
+        from fedaval.streams import make_train_stream, shared_test_stream
 
         self.run = run
         self.id = client_id
@@ -62,7 +63,7 @@ class Client:
         self.stash = Stash()
         self._task_experience = None  # the current task's training experience (see train_round)
         self.train_stream = make_train_stream(run.data, tasks.indices)
-        self.test_stream = make_test_stream(run.data, tasks.classes)
+        self.test_stream = shared_test_stream(run, tasks.classes)  # the run's objects, shared with other clients
         self.shared_keys: list[str] = list(run.hook.fedaval_shared_keys(run=run, model=model))
         self.bridge = HookBridge(run, self)
         method_plugins = [

@@ -44,6 +44,9 @@ def shared_objects(run: Run, extra: dict[str, Any] | None = None) -> dict[str, A
         shared[f"plugin.{name}"] = plugin
     for owner, logger in run.loggers.items():
         shared[f"logger.{owner}"] = logger
+    for name, experience in run.test_experiences.items():  # clients' test experiences (fedaval.streams)
+        if experience is not None:
+            shared[name] = experience
     shared.update(extra or {})
     return shared
 

@@ -119,3 +119,29 @@ def test_kept_storages_pickle_as_one_bytes_object_and_come_back_equal():
     for t, storage in zip(tensors, back.storages):
         assert storage.dtype == t.dtype and torch.equal(torch.tensor([], dtype=t.dtype).set_(storage), t)
     assert bytes(torch.empty(0, dtype=torch.uint8).set_(back.storages[3]).numpy()) == bytes([7])
+
+
+def test_clients_share_the_runs_test_experiences_and_save_them_by_name(tiny_config, tmp_path):
+    """One test experience per task and set of new classes for the whole run
+    (before: one copy per client), written by name in offloaded clients and
+    checkpoints, and the same objects again after a resume."""
+    from fedaval import checkpoint, state
+    from fedaval.api import run_training
+    from fedaval.build import build_run
+
+    config = tiny_config(
+        out=str(tmp_path / "run"), scenario_options={"clients": 4, "tasks": 2, "alpha": 100.0}, clients_per_round=2
+    )
+    run = build_run(config)
+    streams = [c.test_stream for c in run.clients]
+    assert all(s[t] is streams[0][t] for s in streams for t in range(2))  # alpha=100: every client has every class
+    assert set(map(id, run.test_experiences.values())) == {id(e) for e in streams[0]}
+    assert len(state.dumps(run, streams[0])) < 200  # names, not datasets
+    run_training(config)
+    resumed = build_run(config, out_dir=tmp_path / "resumed")
+    checkpoint.restore(resumed, checkpoint.saved(tmp_path / "run")[0][1])
+    assert all(
+        c.test_stream[t] is resumed.test_experiences[n]
+        for c in resumed.clients
+        for t, n in enumerate(sorted(resumed.test_experiences))
+    )
