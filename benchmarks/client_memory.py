@@ -52,7 +52,7 @@ with tempfile.TemporaryDirectory() as out:
     clients = sizes.run.clients
     for c in clients:
         c.offload()  # measure every client's stored state the same way
-    stored = sum(len(c._offloaded) for c in clients) / len(clients)
+    stored = sum(c.stored_nbytes for c in clients) / len(clients)
 print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "client_state": stored}))
 """
 

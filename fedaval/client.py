@@ -23,6 +23,7 @@ from fedaval.strategy import Batch, FederatedStrategy, HookBridge
 
 if TYPE_CHECKING:
     from fedaval.run import Run
+    from fedaval.state import KeptStorages
 
 __all__ = ["Client", "Batch"]
 
@@ -34,7 +35,8 @@ class Client:
     the tasks it has trained on so far. ``train_stream[t]`` and
     ``test_stream[t]`` are Avalanche experiences; ``test_stream[t]`` holds the
     test samples of the classes task ``t`` teaches this client for the first
-    time, or is ``None`` when it teaches none.
+    time, or is ``None`` when it teaches none; clients with the same task and
+    new classes share one test experience (``run.test_experiences``).
 
     ``stash`` holds the plugins' per-client state (:mod:`fedaval.stash`).
 
@@ -42,13 +44,15 @@ class Client:
     heavy parts (model, strategy with optimizer, Avalanche plugins and
     evaluator, streams, random streams, the plugins' stash) become one pickle held in memory or in
     a file, and come back the first time anything reads one of them, so code
-    that uses ``client.model`` never needs to know."""
+    that uses ``client.model`` never needs to know. In memory, the pickle
+    keeps the tensors' storages by reference (:class:`fedaval.state.KeptStorages`)
+    rather than copying their bytes into it."""
 
     HEAVY = ("model", "strategy", "bridge", "train_stream", "test_stream", "rng", "stash", "_task_experience")
 
     def __init__(self, run: Run, client_id: int, tasks: ClientTasks, model: nn.Module):
         from fedaval.evaluation import make_evaluator
-        from fedaval.streams import make_test_stream, make_train_stream
+        from fedaval.streams import make_train_stream, shared_test_stream
 
         self.run = run
         self.id = client_id
@@ -59,7 +63,7 @@ class Client:
         self.stash = Stash()
         self._task_experience = None  # the current task's training experience (see train_round)
         self.train_stream = make_train_stream(run.data, tasks.indices)
-        self.test_stream = make_test_stream(run.data, tasks.classes)
+        self.test_stream = shared_test_stream(run, tasks.classes)  # the run's objects, shared with other clients
         self.shared_keys: list[str] = list(run.hook.fedaval_shared_keys(run=run, model=model))
         self.bridge = HookBridge(run, self)
         method_plugins = [
@@ -87,7 +91,8 @@ class Client:
         self.evaluated_at = -1  # round of the last evaluation
         self.trained_at = -1  # round of the last local training
         self.rng = client_rng(config.seed, client_id, run.device)
-        self._offloaded: bytes | Path | None = None
+        # offloaded: (pickle, kept storages) in memory, a file, or (format of old checkpoints) the pickle alone
+        self._offloaded: tuple[bytes, KeptStorages] | Path | bytes | None = None
 
     # --- offloading ---------------------------------------------------------
     @property
@@ -95,24 +100,28 @@ class Client:
         return self.__dict__.get("_offloaded") is not None
 
     def offload(self, folder: Path | None = None) -> int:
-        """Replace the heavy parts by their pickle, kept in memory, or in
+        """Replace the heavy parts by their pickle, kept in memory with their
+        tensors' storages (by reference, not copied), or written whole to
         ``folder/client-NNNNNN.state`` when ``folder`` is given. Returns the
-        pickle's size in bytes."""
+        bytes stored (pickle and storages)."""
         from fedaval import state
 
         if self.offloaded:
             return 0
-        blob = state.dumps(self.run, {k: self.__dict__[k] for k in self.HEAVY}, extra={"client": self})
+        heavy = {k: self.__dict__[k] for k in self.HEAVY}
+        keep = state.KeptStorages() if folder is None else None
+        blob = state.dumps(self.run, heavy, extra={"client": self}, keep=keep)
         for key in self.HEAVY:
             del self.__dict__[key]
-        if folder is None:
-            self._offloaded = blob
-        else:
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"client-{self.id:06d}.state"
-            with atomic_file(path, sync=False) as fh:  # scratch state: the checkpoints are the durable copy
-                fh.write(blob)
-            self._offloaded = path
+        if keep is not None:
+            self._offloaded = (blob, keep)
+            return len(blob) + keep.nbytes
+        assert folder is not None
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"client-{self.id:06d}.state"
+        with atomic_file(path, sync=False) as fh:  # scratch state: the checkpoints are the durable copy
+            fh.write(blob)
+        self._offloaded = path
         return len(blob)
 
     def materialise(self) -> None:
@@ -121,8 +130,22 @@ class Client:
 
         where, self._offloaded = self._offloaded, None
         assert where is not None, "materialise() is for an offloaded client"
-        blob = where.read_bytes() if isinstance(where, Path) else where
-        self.__dict__.update(state.loads(self.run, blob, extra={"client": self}))
+        keep = None
+        if isinstance(where, tuple):
+            blob, keep = where
+        else:
+            blob = where.read_bytes() if isinstance(where, Path) else where
+        self.__dict__.update(state.loads(self.run, blob, extra={"client": self}, keep=keep))
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes an offloaded client's state takes (its pickle and kept storages); 0 when live."""
+        where = self.__dict__.get("_offloaded")
+        if isinstance(where, tuple):
+            return len(where[0]) + where[1].nbytes
+        if isinstance(where, Path):
+            return where.stat().st_size
+        return 0 if where is None else len(where)
 
     def __getattr__(self, name: str) -> Any:
         # only called when ordinary lookup fails: an offloaded heavy part
@@ -132,7 +155,8 @@ class Client:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __getstate__(self) -> dict[str, Any]:
-        # a checkpoint holds an offloaded client's pickle itself, not its file name
+        # a checkpoint holds an offloaded client's pickle itself, not its file name; kept
+        # storages pickle as one bytes object (KeptStorages.__reduce__)
         saved = dict(self.__dict__)
         if isinstance(saved.get("_offloaded"), Path):
             saved["_offloaded"] = saved["_offloaded"].read_bytes()

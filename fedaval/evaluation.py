@@ -86,7 +86,8 @@ def client_accuracies(run: Run, round: int) -> dict[int, float | None]:
 
 
 def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:
-    """Accuracy, forgetting and BWT per experience and over the stream.
+    """Accuracy, forgetting and BWT per experience and over the stream
+    (a :class:`MetricsEvaluator`).
 
     Only the last values are kept (``collect_all=False``): the history is in
     results.json and TensorBoard, and a history kept in the evaluator would
@@ -94,7 +95,7 @@ def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:
     loggers = [RoundTensorboardLogger(run, owner_tag)] if run.out_dir is not None else []
     if loggers:
         run.loggers[owner_tag] = loggers[0]  # saved state refers to it by name (fedaval.state)
-    return EvaluationPlugin(
+    return MetricsEvaluator(
         accuracy_metrics(experience=True, stream=True),
         forgetting_metrics(experience=True, stream=True),
         bwt_metrics(experience=True, stream=True),
@@ -102,6 +103,72 @@ def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:
         collect_all=False,
         strict_checks=False,
     )
+
+
+#: The callbacks of Avalanche's supervised strategies.
+CALLBACKS = tuple(name for name in dir(SupervisedPlugin) if name.startswith(("before_", "after_")))
+
+
+def metric_acts_on(metric: Any, callback: str) -> bool:
+    """Whether Avalanche metric ``metric`` does anything in ``callback``:
+    ``PluginMetric``'s own callbacks do nothing, and ``GenericPluginMetric``'s
+    act only in the phase of the metric's mode (training callbacks for
+    ``mode="train"``, evaluation ones for ``"eval"``); any other definition
+    (a subclass's override) counts as acting."""
+    from avalanche.evaluation.metric_definitions import GenericPluginMetric, PluginMetric
+
+    owner = next((cls for cls in type(metric).__mro__ if callback in vars(cls)), None)
+    if owner is None:
+        return hasattr(metric, callback)
+    if owner is PluginMetric:
+        return False
+    if owner is GenericPluginMetric:
+        return getattr(metric, "_mode", None) == ("eval" if "eval" in callback else "train")
+    return True
+
+
+class MetricsEvaluator(EvaluationPlugin):
+    """Avalanche's ``EvaluationPlugin``, calling its metrics and loggers only
+    in the callbacks where one of them does something (:attr:`callbacks`).
+
+    Avalanche's evaluator answers every ``before_*``/``after_*`` callback by
+    calling each metric's method (a no-op for most of them: accuracy,
+    forgetting and BWT on the test stream only act in evaluation callbacks)
+    and every logger, after swapping ``strategy.experience`` for a logging
+    copy; per training minibatch that is seven callbacks. The others are
+    skipped here; what is computed and logged is the same."""
+
+    def __init__(self, *metrics: Any, **kwargs: Any):
+        super().__init__(*metrics, **kwargs)
+        self.callbacks = frozenset(
+            name
+            for name in CALLBACKS
+            if any(metric_acts_on(m, name) for m in self.metrics) or any(hasattr(lg, name) for lg in self.loggers)
+        )
+
+    # Plain attribute lookup: EvaluationPlugin's __getattribute__ makes a
+    # forwarding closure for every callback, through an AttributeError, on
+    # every call; here the callbacks are methods and __getattr__ covers the rest.
+    __getattribute__ = object.__getattribute__
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(("before_", "after_")):  # a callback CALLBACKS lacks: forward it, as Avalanche does
+            return lambda strategy, **kwargs: self._update_metrics_and_loggers(strategy, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def _evaluator_callback(name: str):
+    def callback(self: MetricsEvaluator, strategy: Any, **kwargs: Any) -> None:
+        if name in self.callbacks:
+            self._update_metrics_and_loggers(strategy, name)
+
+    callback.__name__ = callback.__qualname__ = name
+    return callback
+
+
+for _name in CALLBACKS:
+    if _name not in vars(EvaluationPlugin):  # its before_eval also checks the stream (strict_checks)
+        setattr(MetricsEvaluator, _name, _evaluator_callback(_name))
 
 
 class PredictionRecorder(SupervisedPlugin):

@@ -13,7 +13,10 @@ never a copy of the dataset, and objects shared between a plugin and a client
 stay one object after loading.
 
 Used by checkpoints (:mod:`fedaval.checkpoint`) and offloaded clients
-(:meth:`fedaval.client.Client.offload`).
+(:meth:`fedaval.client.Client.offload`). A client offloaded to memory is
+pickled with ``keep`` (:class:`KeptStorages`): its tensors' storages are kept
+as they are, by reference, instead of being serialised into the bytes (most of
+the cost of pickling a small client); the pickle holds the rest of its state.
 """
 
 from __future__ import annotations
@@ -41,31 +44,145 @@ def shared_objects(run: Run, extra: dict[str, Any] | None = None) -> dict[str, A
         shared[f"plugin.{name}"] = plugin
     for owner, logger in run.loggers.items():
         shared[f"logger.{owner}"] = logger
+    for name, experience in run.test_experiences.items():  # clients' test experiences (fedaval.streams)
+        if experience is not None:
+            shared[name] = experience
     shared.update(extra or {})
     return shared
 
 
-class RunPickler(pickle.Pickler):
-    """Writes the objects of ``shared`` (name -> object) as references."""
+class KeptStorages:
+    """The tensor storages an in-memory pickle refers to instead of holding
+    their bytes (:func:`dumps` with ``keep``): the storages themselves, so
+    keeping them copies nothing; a CUDA storage is kept as a CPU copy (an
+    offloaded client frees its device memory) and goes back to its device
+    when loaded, as pickling and unpickling it would.
 
-    def __init__(self, file: IO[bytes], shared: dict[str, Any]):
+    A :class:`KeptStorages` pickles (into a checkpoint, say) as one bytes
+    object holding every storage's data, with each one's kind, dtype and
+    device, and unpickles to equal storages on their devices."""
+
+    def __init__(self) -> None:
+        self.storages: list[Any] = []  # TypedStorage or UntypedStorage, on the CPU
+        self.devices: list[str | None] = []  # where each goes back to when loaded; None: the CPU
+
+    def keep(self, storage: Any) -> int:
+        """Keep ``storage``; its index."""
+        untyped = _untyped(storage)
+        if untyped.device.type == "cpu":
+            self.devices.append(None)
+        else:
+            self.devices.append(str(untyped.device))
+            storage = _retyped(storage, untyped.cpu())
+        self.storages.append(storage)
+        return len(self.storages) - 1
+
+    def get(self, index: int) -> Any:
+        storage, device = self.storages[index], self.devices[index]
+        return storage if device is None else _retyped(storage, _untyped(storage).to(device=device))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_untyped(s).nbytes() for s in self.storages)
+
+    def __len__(self) -> int:
+        return len(self.storages)
+
+    def __reduce__(self):
+        import numpy as np
+        import torch
+
+        layout, chunks = [], []
+        for storage, device in zip(self.storages, self.devices):
+            untyped = _untyped(storage)
+            typed = None if untyped is storage else str(storage.dtype).removeprefix("torch.")
+            layout.append((typed, device, untyped.nbytes()))
+            chunks.append(torch.empty(0, dtype=torch.uint8).set_(untyped).numpy())
+        data = np.concatenate(chunks).tobytes() if chunks else b""
+        return (_unpack_storages, (layout, data))
+
+
+def _untyped(storage: Any) -> Any:
+    """The ``UntypedStorage`` of a storage (torch's deprecated ``TypedStorage``
+    API warns when used directly)."""
+    return getattr(storage, "_untyped_storage", storage)
+
+
+def _retyped(like: Any, untyped: Any) -> Any:
+    """``untyped`` as the same kind of storage as ``like`` (typed: same dtype)."""
+    import torch
+
+    if like is _untyped(like):
+        return untyped
+    return torch.TypedStorage(wrap_storage=untyped, dtype=like.dtype, _internal=True)
+
+
+def _unpack_storages(layout: list[tuple[str | None, str | None, int]], data: bytes) -> KeptStorages:
+    """A :class:`KeptStorages` from what its ``__reduce__`` wrote."""
+    import torch
+
+    kept = KeptStorages()
+    buffer = bytearray(data)
+    offset = 0
+    for typed, device, nbytes in layout:
+        if nbytes:
+            chunk = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset).clone()
+        else:
+            chunk = torch.empty(0, dtype=torch.uint8)
+        offset += nbytes
+        untyped = chunk.untyped_storage()
+        if typed is None:
+            kept.storages.append(untyped)
+        else:
+            kept.storages.append(torch.TypedStorage(wrap_storage=untyped, dtype=getattr(torch, typed), _internal=True))
+        kept.devices.append(device)
+    return kept
+
+
+class RunPickler(pickle.Pickler):
+    """Writes the objects of ``shared`` (name -> object) as references, and
+    with ``keep`` every tensor storage as a reference into ``keep``."""
+
+    def __init__(self, file: IO[bytes], shared: dict[str, Any], keep: KeptStorages | None = None):
         super().__init__(file, protocol=PROTOCOL)
         self._names = {id(obj): name for name, obj in shared.items()}
+        self._keep = keep
+        if keep is not None:
+            import torch
 
-    def persistent_id(self, obj: Any) -> str | None:
-        return self._names.get(id(obj))
+            self._storage_types = (torch.TypedStorage, torch.UntypedStorage)
+
+    def persistent_id(self, obj: Any) -> str | int | None:
+        name = self._names.get(id(obj))
+        if name is not None or self._keep is None:
+            return name
+        if type(obj) in self._storage_types and _untyped(obj).device.type in ("cpu", "cuda"):
+            return self._keep.keep(obj)  # an int: names are strings
+        return None
 
 
 class RunUnpickler(pickle.Unpickler):
-    """Resolves references against ``shared``; ``missing(name)`` supplies one
-    it lacks (else an ``UnpicklingError``)."""
+    """Resolves references against ``shared`` (and storage references against
+    ``keep``); ``missing(name)`` supplies one it lacks (else an
+    ``UnpicklingError``)."""
 
-    def __init__(self, file: IO[bytes], shared: dict[str, Any], missing: Callable[[str], Any] | None = None):
+    def __init__(
+        self,
+        file: IO[bytes],
+        shared: dict[str, Any],
+        missing: Callable[[str], Any] | None = None,
+        keep: KeptStorages | None = None,
+    ):
         super().__init__(file)
         self._shared = shared
         self._missing = missing
+        self._keep = keep
 
-    def persistent_load(self, name: str) -> Any:
+    def persistent_load(self, name: str | int) -> Any:
+        if isinstance(name, int):
+            if self._keep is None:
+                raise pickle.UnpicklingError("saved state refers to kept tensor storages, which were not given")
+            return self._keep.get(name)
         if name in self._shared:
             return self._shared[name]
         if self._missing is not None:
@@ -73,28 +190,32 @@ class RunUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"saved state refers to {name!r}, which this run does not have")
 
 
-def dump(run: Run, obj: Any, file: IO[bytes], extra: dict[str, Any] | None = None) -> None:
+def dump(
+    run: Run, obj: Any, file: IO[bytes], extra: dict[str, Any] | None = None, keep: KeptStorages | None = None
+) -> None:
     """Pickle ``obj`` to ``file``, writing ``run``'s shared objects (and
-    ``extra``) as references.
+    ``extra``) as references; with ``keep``, tensor storages are kept there
+    (by reference) instead of being written.
 
     Raises ``TypeError`` naming the object that cannot be pickled (a plugin
     holding an open file or a lambda, say)."""
     try:
-        RunPickler(file, shared_objects(run, extra)).dump(obj)
+        RunPickler(file, shared_objects(run, extra), keep).dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise TypeError(f"cannot save the run's state: {exc}") from exc
 
 
-def load(run: Run, file: IO[bytes], extra: dict[str, Any] | None = None) -> Any:
-    """Unpickle what :func:`dump` wrote, resolving references against ``run`` (and ``extra``)."""
-    return RunUnpickler(file, shared_objects(run, extra)).load()
+def load(run: Run, file: IO[bytes], extra: dict[str, Any] | None = None, keep: KeptStorages | None = None) -> Any:
+    """Unpickle what :func:`dump` wrote (with the same ``keep``), resolving
+    references against ``run`` (and ``extra``)."""
+    return RunUnpickler(file, shared_objects(run, extra), keep=keep).load()
 
 
-def dumps(run: Run, obj: Any, extra: dict[str, Any] | None = None) -> bytes:
+def dumps(run: Run, obj: Any, extra: dict[str, Any] | None = None, keep: KeptStorages | None = None) -> bytes:
     buffer = io.BytesIO()
-    dump(run, obj, buffer, extra)
+    dump(run, obj, buffer, extra, keep)
     return buffer.getvalue()
 
 
-def loads(run: Run, data: bytes, extra: dict[str, Any] | None = None) -> Any:
-    return load(run, io.BytesIO(data), extra)
+def loads(run: Run, data: bytes, extra: dict[str, Any] | None = None, keep: KeptStorages | None = None) -> Any:
+    return load(run, io.BytesIO(data), extra, keep)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from avalanche.benchmarks.scenarios.dataset_scenario import DatasetExperience
@@ -10,6 +11,9 @@ from avalanche.benchmarks.scenarios.generic_scenario import EagerCLStream
 from avalanche.benchmarks.utils import _make_taskaware_classification_dataset
 
 from fedaval.datasets import ImageData, TensorImageDataset
+
+if TYPE_CHECKING:
+    from fedaval.run import Run
 
 
 def make_dataset(data: ImageData, split: str, indices: np.ndarray):
@@ -59,6 +63,27 @@ def make_test_stream(data: ImageData, task_classes: Sequence[Sequence[int]]) -> 
         idx = indices_of_classes(data, fresh)
         datasets.append(make_dataset(data, "test", idx) if len(idx) else None)
     return _stream("test", datasets)
+
+
+def shared_test_stream(run: Run, task_classes: Sequence[Sequence[int]]) -> list[DatasetExperience | None]:
+    """:func:`make_test_stream` whose experiences are the run's: one object
+    per task and set of new classes (``run.test_experiences``, by name), made
+    by the first client that needs it and shared by every client with the
+    same one. Test experiences are only read, so sharing changes no result;
+    it saves building, keeping and pickling (offloading, checkpoints: they are
+    written by name, :mod:`fedaval.state`) one copy per client."""
+    exps = []
+    for task, fresh in enumerate(new_classes(task_classes)):
+        name = f"test_experience.{task}." + ",".join(str(c) for c in fresh)
+        if name not in run.test_experiences:
+            idx = indices_of_classes(run.data, fresh)
+            exp = None
+            if len(idx):
+                exp = DatasetExperience(dataset=make_dataset(run.data, "test", idx), current_experience=task)
+                exp.origin_stream = EagerCLStream("test", [exp], set_stream_info=False)
+            run.test_experiences[name] = exp
+        exps.append(run.test_experiences[name])
+    return exps
 
 
 def with_extra_data(data: ImageData, own: DatasetExperience | None, own_indices: np.ndarray, extras: Sequence):

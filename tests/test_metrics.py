@@ -337,3 +337,68 @@ def test_computation_seconds_include_the_clients_upload_work(tiny_config):
     for r in results["rounds"]:
         clients = len(r["clients"])
         assert r["seconds_local"] >= 0.2 * clients
+
+
+# ---------------------------------------------------------------- the evaluator's callbacks
+
+
+def test_evaluators_skip_the_callbacks_no_metric_acts_on(tiny_config, monkeypatch):
+    """Avalanche's evaluator called every metric (and swapped in a logging
+    copy of the experience) in every callback, seven of them per training
+    minibatch; fedaval's calls them only where a metric or logger acts."""
+    from fedaval.api import run_training
+    from fedaval.evaluation import MetricsEvaluator
+
+    dispatched: list[str] = []
+    original = MetricsEvaluator._update_metrics_and_loggers
+
+    def spy(self, strategy, callback):
+        dispatched.append(callback)
+        return original(self, strategy, callback)
+
+    monkeypatch.setattr(MetricsEvaluator, "_update_metrics_and_loggers", spy)
+    run_training(tiny_config())
+    assert {"before_eval", "after_eval_exp", "after_eval_iteration", "before_training_exp"} <= set(dispatched)
+    per_minibatch = {"before_training_iteration", "before_forward", "after_forward", "before_backward"}
+    per_minibatch |= {"after_backward", "before_update", "after_update", "after_training_iteration"}
+    assert not per_minibatch & set(dispatched)
+
+
+def test_a_metric_or_logger_that_overrides_a_callback_is_still_called():
+    from avalanche.evaluation.metric_definitions import PluginMetric
+    from avalanche.evaluation.metrics import accuracy_metrics
+    from avalanche.logging import BaseLogger
+
+    from fedaval.evaluation import MetricsEvaluator
+
+    class CountsBackward(PluginMetric):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def result(self):
+            return None
+
+        def reset(self):
+            pass
+
+        def after_backward(self, strategy):
+            self.calls += 1
+
+    class LogsEpochs(BaseLogger):
+        def after_training_epoch(self, strategy, metric_values, **kwargs):
+            pass
+
+    counter = CountsBackward()
+    evaluator = MetricsEvaluator(counter, accuracy_metrics(stream=True), loggers=[LogsEpochs()])
+    assert {"after_backward", "after_training_epoch", "after_eval"} <= evaluator.callbacks
+    assert not {"before_backward", "after_training_iteration", "before_forward"} & evaluator.callbacks
+
+    class Strategy:
+        experience = None
+
+    evaluator.after_backward(Strategy())
+    evaluator.before_backward(Strategy())
+    assert counter.calls == 1
+    # a training-mode metric (minibatch accuracy) acts in the training callbacks
+    assert "after_training_iteration" in MetricsEvaluator(accuracy_metrics(minibatch=True), loggers=[]).callbacks

@@ -59,7 +59,9 @@ def test_auto_keeps_everyone_live_when_all_train_every_round(tiny_config):
     assert not any(c.offloaded for c in build_run(tiny_config(offload_clients="auto")).clients)
 
 
-def test_resume_with_offloaded_clients(tiny_config, tmp_path):
+@pytest.mark.parametrize("where", ["cpu", "disk"])
+def test_resume_with_offloaded_clients(tiny_config, tmp_path, where):
+    """``cpu``: the checkpoint holds the offloaded clients' kept storages (as one bytes object each)."""
     from fedaval import checkpoint
     from fedaval.api import run_training
     from fedaval.build import build_run
@@ -69,10 +71,77 @@ def test_resume_with_offloaded_clients(tiny_config, tmp_path):
         out=str(tmp_path / "whole"),
         scenario_options={"clients": 4, "tasks": 2},
         clients_per_round=2,
-        offload_clients="disk",
+        offload_clients=where,
         keep_checkpoints=10,
     )
     whole = strip_timing(run_training(config))
     run = build_run(config, out_dir=tmp_path / "resumed")
     results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", 3))
     assert strip_timing(train(run, results=results)) == whole
+
+
+def test_offloading_to_memory_keeps_the_tensors_storages_instead_of_copying_them(tiny_config):
+    """``--offload-clients cpu`` pickles a client without its tensors' bytes:
+    the storages are kept by reference and the loaded client's tensors use
+    them again (before: every storage was serialised into the pickle, most of
+    the cost of offloading a small client)."""
+    from fedaval.build import build_run
+    from fedaval.state import KeptStorages
+
+    run = build_run(tiny_config(scenario_options={"clients": 4, "tasks": 2}, clients_per_round=1))
+    client = run.clients[0]
+    weight = client.model.classifier.weight
+    pointer, values = weight.untyped_storage().data_ptr(), weight.detach().clone()
+    stored = client.offload()
+    blob, kept = client._offloaded
+    assert isinstance(kept, KeptStorages) and stored == len(blob) + kept.nbytes == client.stored_nbytes
+    assert pointer in {s._untyped_storage.data_ptr() for s in kept.storages}
+    assert values.numpy().tobytes() not in blob  # the weights are not in the pickle
+    loaded = client.model.classifier.weight
+    assert loaded is not weight and loaded.untyped_storage().data_ptr() == pointer
+    assert torch.equal(loaded, values) and loaded.grad is None
+
+
+def test_kept_storages_pickle_as_one_bytes_object_and_come_back_equal():
+    import pickle
+
+    from fedaval.state import KeptStorages
+
+    tensors = [torch.arange(6, dtype=torch.float32), torch.tensor([1, 2], dtype=torch.int64), torch.zeros(0)]
+    kept = KeptStorages()
+    for t in tensors:
+        kept.keep(t._typed_storage())
+    kept.keep(torch.tensor([7], dtype=torch.uint8).untyped_storage())
+    data = pickle.dumps(kept)
+    assert data.count(b"PK") == 0  # no torch.save archive per storage
+    back = pickle.loads(data)
+    assert len(back) == 4 and back.nbytes == kept.nbytes
+    for t, storage in zip(tensors, back.storages):
+        assert storage.dtype == t.dtype and torch.equal(torch.tensor([], dtype=t.dtype).set_(storage), t)
+    assert bytes(torch.empty(0, dtype=torch.uint8).set_(back.storages[3]).numpy()) == bytes([7])
+
+
+def test_clients_share_the_runs_test_experiences_and_save_them_by_name(tiny_config, tmp_path):
+    """One test experience per task and set of new classes for the whole run
+    (before: one copy per client), written by name in offloaded clients and
+    checkpoints, and the same objects again after a resume."""
+    from fedaval import checkpoint, state
+    from fedaval.api import run_training
+    from fedaval.build import build_run
+
+    config = tiny_config(
+        out=str(tmp_path / "run"), scenario_options={"clients": 4, "tasks": 2, "alpha": 100.0}, clients_per_round=2
+    )
+    run = build_run(config)
+    streams = [c.test_stream for c in run.clients]
+    assert all(s[t] is streams[0][t] for s in streams for t in range(2))  # alpha=100: every client has every class
+    assert set(map(id, run.test_experiences.values())) == {id(e) for e in streams[0]}
+    assert len(state.dumps(run, streams[0])) < 200  # names, not datasets
+    run_training(config)
+    resumed = build_run(config, out_dir=tmp_path / "resumed")
+    checkpoint.restore(resumed, checkpoint.saved(tmp_path / "run")[0][1])
+    assert all(
+        c.test_stream[t] is resumed.test_experiences[n]
+        for c in resumed.clients
+        for t, n in enumerate(sorted(resumed.test_experiences))
+    )
