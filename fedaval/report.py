@@ -489,9 +489,9 @@ def committed_reports(folder: Path) -> dict[str, dict[str, str]]:
     A paper row in several reports (more seeds run in a later batch) is
     pooled: the runs of every batch count once, each metric's mean and sample
     standard deviation are those of all runs together (:func:`pool`). The
-    batches must hold different seeds of the same setting; a seed in two
-    batches (the same run counted twice) or a row whose method, scenario,
-    dataset or setting differs between batches is an error."""
+    batches must hold different seeds of the same paper row; a seed in two
+    batches (the same run counted twice) or a row whose method, scenario or
+    dataset differs between batches is an error."""
     rows: dict[str, dict[str, str]] = {}
     where: dict[str, Path] = {}
     for path in sorted(folder.rglob("report.csv")):
@@ -509,8 +509,11 @@ def committed_reports(folder: Path) -> dict[str, dict[str, str]]:
     return rows
 
 
-#: The columns of a report.csv row that name what was run: pooled rows must agree on them.
-_SAME_SETTING = ("method", "scenario", "dataset", "setting")
+#: The columns of a report.csv row that name what was run: pooled rows must agree on them. The
+#: ``setting`` column is not one of them: it lists only the options that tell a report's groups
+#: apart, so it depends on which other rows share the report; what a paper row ran is fixed by
+#: the config's ``[paper.runs]`` arguments its runs were matched by.
+_SAME_SETTING = ("method", "scenario", "dataset")
 
 
 def pool(a: dict[str, str], b: dict[str, str]) -> dict[str, str]:

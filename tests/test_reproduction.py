@@ -172,7 +172,7 @@ def test_committed_reports_reads_every_batch_and_pools_a_row_over_batches(tmp_pa
     """Rows come from report.csv files in the config's folder and its batch
     subfolders; a paper row in two batches (more seeds run later) is pooled
     into the mean and sample std of all its runs; the same seed twice or a
-    different setting is an error."""
+    different method is an error, a different setting label (report-relative) is not."""
     import statistics
 
     from fedaval.report import committed_reports
@@ -198,9 +198,13 @@ def test_committed_reports_reads_every_batch_and_pools_a_row_over_batches(tmp_pa
     (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedavg,,1,3,r3,0.2,,1\n")
     with pytest.raises(ValueError, match="'FedAvg'.*seeds must differ"):
         committed_reports(tmp_path)
-    (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedavg,fedavg.mu=1,1,9,r9,0.2,,1\n")
-    with pytest.raises(ValueError, match="different setting"):
+    (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedprox,,1,9,r9,0.2,,1\n")
+    with pytest.raises(ValueError, match="different method"):
         committed_reports(tmp_path)
+    # The setting label names only what tells a report's groups apart, so the same paper row's
+    # label differs between a batch of that row alone and a batch beside other rows: it pools.
+    (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedavg,fedavg.mu=1,1,9,r9,0.2,,1\n")
+    assert committed_reports(tmp_path)["FedAvg"]["seeds"] == "1 2 3 9"
 
 
 def test_reproduce_keeps_a_runs_config_and_results_only(tmp_path):
