@@ -20,8 +20,9 @@ Used when the strategy's dataset is a client's or the server's own dataset
 instance, brings its own loader, which is then used as it is).
 
 The copy is made once per run and device (:func:`device_tensors`); loaders
-refer to it through the run, so checkpoints never hold it. The data are
-not augmented (fedaval's datasets have no augmentation on either path).
+refer to it through the run, so checkpoints never hold it. Augmentation
+(``--augment standard``) is applied after this, to the gathered minibatch on
+the device (``fedaval.training.standard_augment``), on either path.
 """
 
 from __future__ import annotations
