@@ -63,12 +63,13 @@ def close(a, b) -> bool:
 
 
 def comparable(results):
-    """results.json without timings, the run folder and the backend's options."""
+    """results.json without timings (``seconds*`` and FedProK's E, ``efficiency*``, measured in
+    seconds), the run folder and the backend's options."""
     if isinstance(results, dict):
         return {
             k: comparable(v)
             for k, v in results.items()
-            if not k.startswith("seconds") and k not in ("out", "backend", "client_gpus", "ray_address")
+            if not k.startswith(("seconds", "efficiency")) and k not in ("out", "backend", "client_gpus", "ray_address")
         }
     if isinstance(results, list):
         return [comparable(v) for v in results]

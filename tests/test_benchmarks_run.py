@@ -40,3 +40,17 @@ def test_client_memory_benchmark_runs():
         "cpu",
     )
     assert "peak grows by" in out and "one client's stored state" in out
+
+
+def test_backends_benchmark_compares_results_without_timings():
+    """backends.py's "same results" column ignores every timing, including FedProK's E
+    (``efficiency*``, seconds per round), which differs from run to run like ``seconds``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("backends_bench", BENCHMARKS / "backends.py")
+    assert spec is not None and spec.loader is not None
+    backends = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backends)
+    one = {"final": {"accuracy": 0.5, "seconds": 1.0, "efficiency": 2.0, "efficiency_computation": 1.5}, "out": "a"}
+    two = {"final": {"accuracy": 0.5, "seconds": 3.0, "efficiency": 4.0, "efficiency_computation": 2.5}, "out": "b"}
+    assert backends.comparable(one) == backends.comparable(two) == {"final": {"accuracy": 0.5}}
