@@ -34,7 +34,6 @@ import pstats
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -61,13 +60,11 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from cifar_data import cifar_subset
+    from timed_rounds import timed_rounds
 
     import fedaval
     from fedaval.api import check_settings
-    from fedaval.backends import make_backend
-    from fedaval.build import build_run
     from fedaval.config import RunConfig
-    from fedaval.coordinator import train
 
     root = cifar_subset(args.train_per_class, args.test_per_class)
     print(f"fedaval from {Path(fedaval.__file__).parent}", flush=True)
@@ -92,27 +89,14 @@ def main(argv=None) -> int:
             )
         )
         profiler = cProfile.Profile() if args.profile else None
-        build_start = time.perf_counter()
-        run = build_run(config, out_dir=Path(config.out))
-        build_s = time.perf_counter() - build_start
-        walls: list[float] = []
-        records: list[dict] = []
-        last = [time.perf_counter()]
-
-        def on_round(record):
-            now = time.perf_counter()
-            walls.append(now - last[0])
-            records.append(record)
-            last[0] = now
-
-        start = time.perf_counter()
-        last[0] = start
-        if profiler is not None:
-            profiler.enable()
-        results = train(run, on_round=on_round, backend=make_backend(run))
-        if profiler is not None:
-            profiler.disable()
-        total = time.perf_counter() - start
+        timed = timed_rounds(config, profiler)
+        build_s, total, results, walls, records = (
+            timed.build_s,
+            timed.total_s,
+            timed.results,
+            timed.walls,
+            timed.records,
+        )
 
     phases = {
         "local training (sampled clients)": [r["seconds_local"] for r in records],

@@ -26,12 +26,12 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main(argv=None) -> int:
@@ -45,11 +45,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    from timed_rounds import timed_rounds
+
     from fedaval.api import check_settings
-    from fedaval.backends import make_backend
-    from fedaval.build import build_run
     from fedaval.config import RunConfig
-    from fedaval.coordinator import train
 
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     with tempfile.TemporaryDirectory(prefix="fedaval-round-cost-") as tmp:
@@ -67,22 +66,8 @@ def main(argv=None) -> int:
         if args.checkpoint_every is not None:
             settings["checkpoint_every"] = args.checkpoint_every
         config = check_settings(RunConfig(**settings))
-        build_start = time.perf_counter()
-        run = build_run(config, out_dir=Path(config.out))
-        build_s = time.perf_counter() - build_start
-        walls: list[float] = []
-        records: list[dict] = []
-        last = [time.perf_counter()]
-
-        def on_round(record):
-            now = time.perf_counter()
-            walls.append(now - last[0])
-            records.append(record)
-            last[0] = now
-
-        start = time.perf_counter()
-        train(run, on_round=on_round, backend=make_backend(run))
-        total = time.perf_counter() - start
+        timed = timed_rounds(config)
+        build_s, total, walls, records = timed.build_s, timed.total_s, timed.walls, timed.records
         folder = Path(config.out)
         sizes = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
     n = len(walls)
