@@ -115,14 +115,14 @@ class Client:
             del self.__dict__[key]
         if keep is not None:
             self._offloaded = (blob, keep)
-            return len(blob) + keep.nbytes
-        assert folder is not None
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"client-{self.id:06d}.state"
-        with atomic_file(path, sync=False) as fh:  # scratch state: the checkpoints are the durable copy
-            fh.write(blob)
-        self._offloaded = path
-        return len(blob)
+        else:
+            assert folder is not None
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"client-{self.id:06d}.state"
+            with atomic_file(path, sync=False) as fh:  # scratch state: the checkpoints are the durable copy
+                fh.write(blob)
+            self._offloaded = path
+        return self.stored_nbytes
 
     def materialise(self) -> None:
         """Load the heavy parts back (on the device they were on)."""
