@@ -20,8 +20,8 @@ model on the same data. Three shapes (``--shapes``, default all):
   ``--cd-clients`` 1000 clients of ``--cd-images`` 50 CIFAR-10 images each
   (fcil-sync, one task, Dirichlet alpha 1e6: 5 images of every class each),
   ``--cd-per-round`` 50 sampled per round (fedaval's ``--clients-per-round``,
-  with its default ``--offload-clients auto``, which keeps the clients not
-  sampled as pickles in memory), batch ``--cd-batch`` 10, ``--cd-rounds`` 200
+  with its default ``--offload-clients auto``, which keeps all 1000 ``cnn``
+  clients live since they fit in memory), batch ``--cd-batch`` 10, ``--cd-rounds`` 200
   rounds, ``--cd-test-per-class`` 10 test images per class.
 
 What is identical (the work of ``overhead.time_plain``, cut into pfl's pieces,

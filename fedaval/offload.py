@@ -9,22 +9,42 @@ loaded back the moment something reads it. Live objects also hold what a
 pickle drops (gradients, autograd and Python overhead), so the memory a run
 needs grows by about one client's pickle per client.
 
-``auto`` offloads to memory when ``--clients-per-round`` samples fewer than
-all clients, and keeps every client live otherwise (each would be loaded back
-every round for nothing).
+``auto`` keeps every client live when all train every round (each would be
+loaded back every round for nothing), and also when ``--clients-per-round``
+samples fewer but every client kept live fits comfortably in memory: then an
+offload would save little (live clients take about 1.23 times their stored
+state, docs/performance.md) and cost a pickle and an unpickle per sampled
+client and round. "Fits" is read as: ``LIVE_FACTOR`` times the first client's
+stored state (measured once, by offloading it), times the number of clients,
+is at most ``MEMORY_SHARE`` of the memory available on the run's device when
+the run is built (CUDA: free device memory; CPU: the host's ``MemAvailable``).
+``LIVE_FACTOR`` leaves room for what clients gain by training (gradients, a
+teacher model, an exemplar memory: a trained PFCL client stores twice an
+untrained one). Otherwise ``auto`` offloads to memory (``cpu``). The choice is
+made once per run (``Run.offload_auto``) and changes no result, only time and
+memory (``tests/test_offload.py``).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from fedaval.client import Client
     from fedaval.run import Run
+
+
+#: ``auto``: all clients live may take this share of the available memory ...
+MEMORY_SHARE = 0.5
+#: ... counting each live client as this many times its stored state.
+LIVE_FACTOR = 4.0
 
 
 def policy(run: Run) -> str:
@@ -32,8 +52,38 @@ def policy(run: Run) -> str:
     choice = run.config.offload_clients
     if choice != "auto":
         return choice
-    sampled = run.config.clients_per_round
-    return "cpu" if 0 < sampled < len(run.partition.clients) else "none"
+    if getattr(run, "offload_auto", None) is None:  # a run saved before the choice was kept decides again
+        run.offload_auto = auto_policy(run)
+    return run.offload_auto
+
+
+def auto_policy(run: Run) -> str:
+    """What ``auto`` means for ``run`` (the module's docstring); needs its first client built."""
+    sampled, total = run.config.clients_per_round, len(run.partition.clients)
+    if not 0 < sampled < total:
+        return "none"
+    first = run.clients[0]
+    if first.offloaded:
+        stored = first.stored_nbytes
+    else:
+        stored = first.offload()
+        first.materialise()
+    return "none" if LIVE_FACTOR * stored * total <= MEMORY_SHARE * available_memory(run.device) else "cpu"
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on ``device``: CUDA's free memory, or the host's ``MemAvailable``
+    (``/proc/meminfo``; elsewhere the free physical pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def folder(run: Run) -> Path:

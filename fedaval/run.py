@@ -75,7 +75,7 @@ class Run:
     ``SummaryWriter``), ``device_tensors`` (the dataset's copies on
     ``device``), ``use_device_path`` (``--data-path`` decided), and
     ``offload_folder`` (where ``--offload-clients disk`` writes when the run
-    has no folder); ``test_experiences`` (the clients' test experiences, one
+    has no folder), ``offload_auto`` (what ``--offload-clients auto`` chose); ``test_experiences`` (the clients' test experiences, one
     per task and set of new classes, by name: :func:`fedaval.streams.shared_test_stream`); ``on_client`` (a progress callback the API sets:
     ``on_client(round, clients trained, clients sampled)``); ``checkpoint_writer``
     (the thread writing the newest checkpoint, :func:`fedaval.checkpoint.wait`)."""
@@ -111,6 +111,7 @@ class Run:
         self.device_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.use_device_path: bool | None = None
         self.offload_folder: Path | None = None
+        self.offload_auto: str | None = None  # what --offload-clients auto chose (fedaval.offload.policy)
         self.test_experiences: dict[str, Any] = {}  # name -> the clients' shared test experience (or None)
         self.on_client: Any = None  # progress within a round: on_client(round, trained, sampled)
         self.checkpoint_writer: Any = None  # the checkpoint being written in the background (fedaval.checkpoint)

@@ -37,7 +37,7 @@ def test_offloaded_clients_hold_a_pickle_and_come_back_on_use(tiny_config):
     from fedaval.coordinator import run_round
 
     run = build_run(
-        tiny_config(scenario_options={"clients": 4, "tasks": 2}, clients_per_round=1, offload_clients="auto")
+        tiny_config(scenario_options={"clients": 4, "tasks": 2}, clients_per_round=1, offload_clients="cpu")
     )
     assert all(c.offloaded for c in run.clients)  # offloaded as they were built
     assert all("model" not in vars(c) and "strategy" not in vars(c) for c in run.clients)
@@ -57,6 +57,30 @@ def test_auto_keeps_everyone_live_when_all_train_every_round(tiny_config):
     from fedaval.build import build_run
 
     assert not any(c.offloaded for c in build_run(tiny_config(offload_clients="auto")).clients)
+
+
+def test_auto_offloads_when_sampling_and_live_clients_would_not_fit(tiny_config, monkeypatch):
+    from fedaval import offload
+    from fedaval.build import build_run
+
+    settings = dict(scenario_options={"clients": 4, "tasks": 2}, clients_per_round=1, offload_clients="auto")
+    run = build_run(tiny_config(**settings))
+    assert run.offload_auto == "none" and not any(c.offloaded for c in run.clients)  # 4 small clients fit
+    stored = run.clients[0].offload()
+    run.clients[0].materialise()
+    # what 4 live clients need is about `budget` (the first client's stored state when built differs a little)
+    budget = offload.LIVE_FACTOR * stored * 4 / offload.MEMORY_SHARE
+    monkeypatch.setattr(offload, "available_memory", lambda device: int(budget / 2))
+    run = build_run(tiny_config(**settings))
+    assert run.offload_auto == "cpu" and all(c.offloaded for c in run.clients)
+    monkeypatch.setattr(offload, "available_memory", lambda device: int(budget * 2))
+    assert build_run(tiny_config(**settings)).offload_auto == "none"
+
+
+def test_available_memory_is_a_plausible_byte_count():
+    from fedaval.offload import available_memory
+
+    assert 2**20 < available_memory(torch.device("cpu")) < 2**50
 
 
 @pytest.mark.parametrize("where", ["cpu", "disk"])

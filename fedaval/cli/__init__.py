@@ -219,7 +219,8 @@ def cli() -> None:
     default="auto",
     show_default=True,
     help="Where clients not sampled next round keep their state: none (live), cpu (a pickle in memory), "
-    "disk (files in the run folder); auto: cpu when --clients-per-round samples fewer than all.",
+    "disk (files in the run folder); auto: cpu when --clients-per-round samples fewer than all and "
+    "all clients live would need more than half the free memory, else none.",
 )
 @click.option(
     "--backend",
