@@ -52,9 +52,10 @@ def policy(run: Run) -> str:
     choice = run.config.offload_clients
     if choice != "auto":
         return choice
-    if getattr(run, "offload_auto", None) is None:  # a run saved before the choice was kept decides again
-        run.offload_auto = auto_policy(run)
-    return run.offload_auto
+    chosen = getattr(run, "offload_auto", None)  # None: not chosen yet (or a run saved before it was kept)
+    if chosen is None:
+        chosen = run.offload_auto = auto_policy(run)
+    return chosen
 
 
 def auto_policy(run: Run) -> str:
