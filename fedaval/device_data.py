@@ -111,6 +111,49 @@ def device_batches(run: Run, loader: Any, dataset: Any) -> DeviceBatches | None:
     return None
 
 
+def eval_batches(run: Run, dataset: Any, batch_size: int) -> EvalBatches | None:
+    """An evaluation loader over ``dataset`` on the device data path, made
+    without Avalanche's or torch's loader, or ``None`` when it does not apply."""
+    source = tensor_source(dataset)
+    if source is None or not use_device_path(run):
+        return None
+    if source.images is run.data.test_x:
+        return EvalBatches(run, source, "test", batch_size)
+    if source.images is run.data.train_x:
+        return EvalBatches(run, source, "train", batch_size)
+    return None
+
+
+class EvalBatches:
+    """The minibatches Avalanche's evaluation loader would give over
+    ``source`` (in order, ``batch_size`` each, the last one shorter), built on
+    the device as :class:`DeviceBatches` builds them, without making that
+    loader: an Avalanche loader and a torch ``DataLoader`` per evaluated
+    experience cost more than evaluating a small experience. Its iterator
+    draws the one random number a torch ``DataLoader`` iterator draws (its
+    base seed, from the global generator, since fedaval's evaluation loaders
+    have none of their own), so every random stream stays where the loader
+    path leaves it (``tests/test_device_data.py``)."""
+
+    def __init__(self, run: Run, source: TensorImageDataset, split: str, batch_size: int):
+        self.run = run
+        self.source = source
+        self.split = split
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.source) // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        images, labels = device_tensors(self.run, self.split)
+        torch.empty((), dtype=torch.int64).random_()  # the DataLoader iterator's base seed
+        total = len(self.source)
+        for start in range(0, total, self.batch_size):
+            positions = torch.arange(start, min(start + self.batch_size, total))
+            x, y = self.source.batch(positions, images, labels)
+            yield [x, y, torch.zeros(len(positions), dtype=torch.int64, device=x.device)]
+
+
 class DeviceBatches:
     """Iterates like the Avalanche loader ``loader`` over ``source``, yielding
     ``[x, y, task_labels]`` built on the device from whole-minibatch indices."""

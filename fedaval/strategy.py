@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from avalanche.core import SupervisedPlugin
+from avalanche.models.dynamic_modules import avalanche_model_adaptation
 from avalanche.training.templates import SupervisedTemplate
 
-from fedaval.device_data import device_batches
+from fedaval.device_data import device_batches, eval_batches
 from fedaval.errors import FedavalUsageError
 from fedaval.plugin import CORE_LOSS_TERMS
 
@@ -120,7 +121,27 @@ class FederatedStrategy(SupervisedTemplate):
         super().make_train_dataloader(**kwargs)
         self.dataloader = device_batches(self.run, self.dataloader, self.adapted_dataset) or self.dataloader
 
+    def model_adaptation(self, model=None):
+        """Avalanche's, without its ``model.to(device)`` per evaluated experience
+        when every parameter and buffer is on the device already (a walk over
+        every module that costs as much as evaluating a small experience)."""
+        if self.is_training:
+            return super().model_adaptation(model)
+        model = self.model if model is None else model
+        avalanche_model_adaptation(model, self.experience)
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        tensors = [*model.parameters(), *model.buffers()]
+        if tensors and all(t.device == device for t in tensors):
+            return model
+        return model.to(self.device)
+
     def make_eval_dataloader(self, **kwargs):
+        batches = None if kwargs else eval_batches(self.run, self.adapted_dataset, self.eval_mb_size)
+        if batches is not None:  # the device data path, without making Avalanche's loader
+            self.dataloader = batches
+            return
         super().make_eval_dataloader(**kwargs)
         self.dataloader = device_batches(self.run, self.dataloader, self.adapted_dataset) or self.dataloader
 

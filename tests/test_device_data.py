@@ -53,14 +53,24 @@ def test_the_device_path_is_taken_where_it_applies(tiny_config, monkeypatch):
         made.append((split, type(loader).__name__))
         original(self, run, loader, source, split)
 
+    evaluated = []
+    original_eval = device_data.EvalBatches.__init__
+
+    def counting_eval(self, run, source, split, batch_size):
+        evaluated.append(split)
+        original_eval(self, run, source, split, batch_size)
+
     monkeypatch.setattr(device_data.DeviceBatches, "__init__", counting)
+    monkeypatch.setattr(device_data.EvalBatches, "__init__", counting_eval)
     train(build_run(tiny_config(data_path="auto")))
-    assert {"train", "test"} == {split for split, _ in made}
-    assert {"DataLoader", "SingleDatasetDataLoader"} == {kind for _, kind in made}
+    assert {"train"} == {split for split, _ in made}  # evaluation makes no loader at all:
+    assert {"DataLoader"} == {kind for _, kind in made}
+    assert evaluated and set(evaluated) == {"test"}
 
     made.clear()
+    evaluated.clear()
     train(build_run(tiny_config(data_path="loader")))
-    assert made == []
+    assert made == [] and evaluated == []
 
     made.clear()
     replay = build_run(tiny_config(plugins=["avalanche:ReplayPlugin"], data_path="device"))
@@ -68,6 +78,48 @@ def test_the_device_path_is_taken_where_it_applies(tiny_config, monkeypatch):
     # task 1's loader is ours; from task 2 the ReplayPlugin brings its own loader
     # (over data + buffer), which is used as it is
     assert sum(split == "train" for split, _ in made) == 2 * len(replay.clients)
+
+
+def test_evaluation_batches_and_random_streams_match_the_loader_path(tiny_config):
+    """An evaluation on the device path makes no Avalanche or torch loader, yet
+    gives the loader's minibatches and leaves the global generator where the
+    loader leaves it (the DataLoader iterator's one draw per experience)."""
+    from fedaval.build import build_run
+
+    outcomes = {}
+    for path in ("loader", "device"):
+        run = build_run(tiny_config(data_path=path, scenario_options={"clients": 2, "tasks": 3}))
+        run.server.begin_task(0)
+        run.server.begin_task(1)
+        torch.manual_seed(7)
+        metrics = run.server.evaluate()
+        outcomes[path] = (metrics, torch.rand(3))
+    assert outcomes["loader"][0] == outcomes["device"][0]
+    assert torch.equal(outcomes["loader"][1], outcomes["device"][1])
+
+    from avalanche.benchmarks.utils.data_loader import SingleDatasetDataLoader
+
+    from fedaval.device_data import eval_batches
+
+    data = run.server.test_stream[1].dataset.eval()
+    expected = list(SingleDatasetDataLoader(data, batch_size=5))
+    got = list(eval_batches(run, data, 5))
+    assert len(got) == len(expected) > 2 and len(got[-1][1]) == len(expected[-1][1])
+    for (x, y, t), (ex, ey, et) in zip(got, expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey) and torch.equal(t, et)
+
+
+def test_evaluation_does_not_move_a_model_already_on_the_device(tiny_config, monkeypatch):
+    from fedaval.build import build_run
+
+    run = build_run(tiny_config(scenario_options={"clients": 2, "tasks": 3}))
+    for task in range(3):
+        run.server.begin_task(task)
+    moved = []
+    original = torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a) or original(self, *a, **k))
+    assert run.server.evaluate()
+    assert moved == []
 
 
 def test_saved_clients_refer_to_the_run_data(tiny_config, tmp_path):
