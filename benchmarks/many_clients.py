@@ -8,7 +8,7 @@ FedAvg with the ``cnn`` model on a shared CIFAR-10 subset (``--train-per-class``
 images per class, so 10 x train-per-class / clients images per client),
 fcil-sync with ``--clients`` clients and 2 tasks, batch 10, one local epoch,
 ``--per-round`` clients sampled per round, ``--offload-clients cpu`` (what
-``auto`` picks here), evaluation after every round, checkpoints on the default
+``auto`` picked here until session 7; it now keeps these small clients live), evaluation after every round, checkpoints on the default
 schedule. On this shape a client's own training is a few minibatches, so what
 a round costs beyond them (Avalanche's ``train()``/``eval()`` set-up, the
 evaluator's callbacks, data loaders, offloading the clients' state) is most of it.

@@ -54,3 +54,21 @@ def test_backends_benchmark_compares_results_without_timings():
     one = {"final": {"accuracy": 0.5, "seconds": 1.0, "efficiency": 2.0, "efficiency_computation": 1.5}, "out": "a"}
     two = {"final": {"accuracy": 0.5, "seconds": 3.0, "efficiency": 4.0, "efficiency_computation": 2.5}, "out": "b"}
     assert backends.comparable(one) == backends.comparable(two) == {"final": {"accuracy": 0.5}}
+
+
+def test_round_throughput_benchmark_runs(cifar10_root):
+    out = run(
+        "round_throughput.py",
+        "--model",
+        "cnn",
+        "--clients",
+        "3",
+        "--rounds",
+        "3",
+        "--limit-epochs",
+        "1",
+        "--data-root",
+        str(cifar10_root),
+    )
+    assert "300 samples a round" in out  # the subset's 30 training images x 10 classes, every client training
+    assert "ratio fedaval / limit:" in out and "(local training)" in out

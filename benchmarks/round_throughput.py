@@ -1,0 +1,175 @@
+"""Samples per second of a fedaval round against what the device does for the model when kept busy.
+
+    python benchmarks/round_throughput.py --device cuda              # ResNet-18, 10 clients x batch 32 vs batch 320
+    python benchmarks/round_throughput.py --model cnn --rounds 3     # the CPU, the small CNN
+
+The GPU issue's item 3: local training of a small model at batch 32 leaves
+most of a GPU idle when clients train one after another. Two numbers, measured
+in one invocation on the same device, one torch thread on the CPU:
+
+* **fedaval**: FedAvg on the shared CIFAR-10 subset (``--train-per-class``
+  images per class, split evenly over ``--clients`` clients by fcil-sync with
+  one task and Dirichlet alpha 1e6), every client sampled every round, one
+  local epoch at ``--batch-size`` 32, ``--augment none``, evaluation at the
+  last round only, no checkpoint before it. Rounds after the first (which pays
+  for cuDNN's autotuning and the allocator's growth) are timed; per round,
+  the samples trained divided by the clients' local training seconds
+  (``seconds_local``: the clients' ``train()`` calls, what the clients do to
+  receive and upload included) and by the whole round's wall time (fusion
+  included; evaluation excluded, since it only happens at the last round,
+  which is not counted).
+* **limit**: one plain PyTorch loop training the same model on the same
+  images at batch ``--limit-batch`` (320: the 10 clients' minibatches
+  stacked) with the same SGD, after one untimed warm-up epoch; samples per
+  second over ``--limit-epochs`` epochs, with ``torch.cuda.synchronize()``
+  around the timing on a GPU. It is what the hardware does for this model when
+  it is kept busy, not work identical to fedaval's (a batch of 320 is one step
+  where fedaval's clients take ten).
+
+Printed: both rates, their ratio (fedaval / limit; the issue's goal on the
+GPU is at least 0.5), the device and the load average before and after.
+Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+
+def limit_rate(data, model_name: str, batch: int, epochs: int, lr: float, device: torch.device) -> float:
+    """Samples per second of a plain loop over ``data``'s training images at ``batch``."""
+    from fedaval.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_name, data.input_shape, data.num_classes).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    mean = torch.tensor(data.mean, device=device).view(1, -1, 1, 1)
+    std = torch.tensor(data.std, device=device).view(1, -1, 1, 1)
+    images, labels = data.train_x.to(device), data.train_y.to(device)
+    scale = 255.0 if images.dtype == torch.uint8 else 1.0
+
+    def epoch() -> int:
+        order = torch.randperm(len(labels), device=device)
+        for start in range(0, len(order), batch):
+            index = order[start : start + batch]
+            x = (images[index].float() / scale - mean) / std
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(x), labels[index]).backward()
+            optimizer.step()
+        return len(order)
+
+    model.train()
+    epoch()  # warm-up: cuDNN autotuning, the allocator
+    sync(device)
+    start = time.perf_counter()
+    samples = sum(epoch() for _ in range(epochs))
+    sync(device)
+    return samples / (time.perf_counter() - start)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fedaval_rates(args, root: str, out: Path) -> tuple[float, float, int]:
+    """Median samples per second of the timed rounds: over local training, over
+    the round's wall time; and the samples trained per round."""
+    from timed_rounds import timed_rounds
+
+    from fedaval.api import check_settings
+    from fedaval.config import RunConfig
+
+    config = check_settings(
+        RunConfig(
+            plugins=["fedavg"],
+            scenario="fcil-sync",
+            scenario_options={"clients": args.clients, "tasks": 1, "alpha": 1e6},
+            dataset="imagefolder",
+            data_root=root,
+            model=args.model,
+            rounds_per_task=args.rounds,
+            local_epochs=1,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            momentum=0.9,
+            augment="none",
+            eval_every=args.rounds,
+            checkpoint_every=str(args.rounds),
+            device=args.device,
+            seed=0,
+            out=str(out),
+        )
+    )
+    timed = timed_rounds(config)
+    samples = sum(sum(c) for c in timed.results["scenario"]["client_task_samples"])  # one task, everyone trains
+    # rounds 2 .. last-1: the first pays for warm-up, the last evaluates
+    middle = list(zip(timed.walls, timed.records))[1:-1]
+    if not middle:
+        raise SystemExit("--rounds must be at least 3 (the first and the last round are not timed)")
+    local = statistics.median(samples / r["seconds_local"] for _, r in middle)
+    wall = statistics.median(samples / w for w, _ in middle)
+    return local, wall, samples
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:i")
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--clients", type=int, default=10, help="clients, all sampled every round")
+    parser.add_argument("--batch-size", type=int, default=32, help="the clients' local batch")
+    parser.add_argument("--limit-batch", type=int, default=320, help="the plain loop's batch")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds (the first and the last are not timed)")
+    parser.add_argument("--limit-epochs", type=int, default=3)
+    parser.add_argument("--train-per-class", type=int, default=500, help="CIFAR-10 training images per class")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--data-root", default=None, help="an image folder (default: the shared CIFAR-10 subset)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from fedaval.build import resolve_device
+    from fedaval.datasets import load_dataset
+
+    device = resolve_device(args.device)
+    args.device = str(device)
+    if args.data_root is None:
+        from cifar_data import cifar_subset
+
+        root = str(cifar_subset(args.train_per_class, 10))
+    else:
+        root = args.data_root
+    data = load_dataset("imagefolder", root, False)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
+    print(f"device: {device} ({name}); load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"setting: {args.model}, {len(data.train_y)} CIFAR-10 training images, {args.clients} clients x batch "
+        f"{args.batch_size}, all sampled, {args.rounds} rounds (rounds 2 to {args.rounds - 1} timed); "
+        f"limit: one loop at batch {args.limit_batch}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="fedaval-throughput-") as tmp:
+        local, wall, samples = fedaval_rates(args, root, Path(tmp) / "run")
+    limit = limit_rate(data, args.model, args.limit_batch, args.limit_epochs, args.lr, device)
+    print(f"fedaval: {samples} samples a round; {local:,.0f} samples/s in local training, {wall:,.0f} per round")
+    print(f"limit (batch {args.limit_batch}): {limit:,.0f} samples/s")
+    print(f"ratio fedaval / limit: {local / limit:.3f} (local training), {wall / limit:.3f} (whole round)")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
