@@ -18,15 +18,16 @@ from fedaval.evaluation import (
     STREAM_BWT,
     STREAM_FORGETTING,
     accuracy_on,
+    add_scalar,
     backward_transfer,
     client_accuracies,
     continual_utility,
     exp_acc_key,
     forgetting,
     mean_or_none,
-    run_writer,
     scalar,
     summarise,
+    write_scalars,
 )
 from fedaval.offload import offload_idle
 from fedaval.payload import Upload, merge_entries, payload_nbytes
@@ -356,6 +357,7 @@ def _finish_writes(run: Run) -> None:
     except OSError as exc:
         logging.getLogger("fedaval").warning("the newest checkpoint could not be written (%s)", exc)
     if run.tb_writer is not None:
+        write_scalars(run)
         run.tb_writer.flush()
 
 
@@ -602,19 +604,19 @@ def log_round(run: Run, record: dict[str, Any], final: dict[str, Any] | None = N
     stage's end also the averages over the stages so far (``final``)."""
     if run.out_dir is None:
         return
-    writer = run_writer(run)
     step = record["round"]
     for key in ROUND_SCALARS:
         if record.get(key) is not None:
-            writer.add_scalar(f"Fed/{key}", record[key], step)
+            add_scalar(run, f"Fed/{key}", record[key], step)
     for name, value in record["losses"].items():
-        writer.add_scalar(f"Fed/{name}", value, step)
+        add_scalar(run, f"Fed/{name}", value, step)
     if record["task_end"] and final:
         for key in STAGE_SCALARS:
             if final.get(key) is not None:
-                writer.add_scalar(f"Fed/{key}", final[key], step)
+                add_scalar(run, f"Fed/{key}", final[key], step)
     for plugin, values in record.get("plugin_metrics", {}).items():
         for name, value in values.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                writer.add_scalar(f"Fed/{plugin}/{name}", value, step)
+                add_scalar(run, f"Fed/{plugin}/{name}", value, step)
+    write_scalars(run)  # the round's scalars, Avalanche's included, as one event
     # no flush per round: the writer's thread flushes every few seconds (run_writer), and train() when the run stops

@@ -72,7 +72,8 @@ class Run:
     round), ``round`` (1-based; 0 before the first) and ``task`` (0-based).
 
     Caches the core fills on first use: ``tb_writer`` (the run's one
-    ``SummaryWriter``), ``device_tensors`` (the dataset's copies on
+    ``SummaryWriter``), ``tb_scalars`` (scalars waiting to go out as one event,
+    :func:`fedaval.evaluation.add_scalar`), ``device_tensors`` (the dataset's copies on
     ``device``), ``use_device_path`` (``--data-path`` decided), and
     ``offload_folder`` (where ``--offload-clients disk`` writes when the run
     has no folder), ``offload_auto`` (what ``--offload-clients auto`` chose); ``test_experiences`` (the clients' test experiences, one
@@ -108,6 +109,7 @@ class Run:
         self.now: RoundInfo | None = None
         self.loggers: dict[str, Any] = {}
         self.tb_writer: Any = None
+        self.tb_scalars: list[Any] = []  # the round's scalars not yet written: [step, Summary.Value, ...]
         self.device_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.use_device_path: bool | None = None
         self.offload_folder: Path | None = None

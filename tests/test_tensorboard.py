@@ -26,3 +26,22 @@ def test_avalanche_metrics_per_owner_in_tensorboard(tiny_config, tmp_path):
     acc.Reload()
     steps = [e.step for e in acc.Scalars("Top1_Acc_Stream/eval_phase/test_stream/global")]
     assert steps == [1, 2, 3, 4]
+
+
+def test_a_rounds_scalars_are_one_event_with_the_values_of_the_record(tiny_config, tmp_path):
+    """Every scalar of a round (Avalanche's metrics of every owner, the round's
+    own figures) goes to the events file as one event at the round's step."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from fedaval.api import run_training
+
+    results = run_training(tiny_config())
+    (path,) = (tmp_path / "run" / "tb").glob("events.out.tfevents.*")
+    events = [e for e in EventFileLoader(str(path)).Load() if e.HasField("summary")]
+    assert [e.step for e in events] == [1, 2, 3, 4]
+    for event, record in zip(events, results["rounds"]):
+        values = {v.tag: v for v in event.summary.value}
+        assert "Top1_Acc_Stream/eval_phase/test_stream/client001" in values
+        stored = values["Fed/a_glo"]  # the loader turns simple values into tensors
+        value = stored.simple_value if stored.HasField("simple_value") else stored.tensor.float_val[0]
+        assert abs(value - record["a_glo"]) < 1e-6
