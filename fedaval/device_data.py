@@ -104,11 +104,8 @@ def device_batches(run: Run, loader: Any, dataset: Any) -> DeviceBatches | None:
     source = tensor_source(dataset)
     if source is None or torch_loader(loader) is None or not use_device_path(run):
         return None
-    if source.images is run.data.train_x:
-        return DeviceBatches(run, loader, source, "train")
-    if source.images is run.data.test_x:
-        return DeviceBatches(run, loader, source, "test")
-    return None
+    split = run_split(run, source)
+    return None if split is None else DeviceBatches(run, loader, source, split)
 
 
 def eval_batches(run: Run, dataset: Any, batch_size: int) -> EvalBatches | None:
@@ -117,11 +114,25 @@ def eval_batches(run: Run, dataset: Any, batch_size: int) -> EvalBatches | None:
     source = tensor_source(dataset)
     if source is None or not use_device_path(run):
         return None
-    if source.images is run.data.test_x:
-        return EvalBatches(run, source, "test", batch_size)
+    split = run_split(run, source)
+    return None if split is None else EvalBatches(run, source, split, batch_size)
+
+
+def run_split(run: Run, source: TensorImageDataset) -> str | None:
+    """``"train"`` or ``"test"``: the run's split whose tensors ``source`` reads, if any."""
     if source.images is run.data.train_x:
-        return EvalBatches(run, source, "train", batch_size)
+        return "train"
+    if source.images is run.data.test_x:
+        return "test"
     return None
+
+
+def minibatch(
+    source: TensorImageDataset, positions: torch.Tensor, images: torch.Tensor, labels: torch.Tensor
+) -> list[torch.Tensor]:
+    """``[x, y, task_labels]`` of ``source``'s samples ``positions``, as Avalanche's loaders yield them."""
+    x, y = source.batch(positions, images, labels)
+    return [x, y, torch.zeros(len(positions), dtype=torch.int64, device=x.device)]
 
 
 class EvalBatches:
@@ -149,9 +160,7 @@ class EvalBatches:
         torch.empty((), dtype=torch.int64).random_()  # the DataLoader iterator's base seed
         total = len(self.source)
         for start in range(0, total, self.batch_size):
-            positions = torch.arange(start, min(start + self.batch_size, total))
-            x, y = self.source.batch(positions, images, labels)
-            yield [x, y, torch.zeros(len(positions), dtype=torch.int64, device=x.device)]
+            yield minibatch(self.source, torch.arange(start, min(start + self.batch_size, total)), images, labels)
 
 
 class DeviceBatches:
@@ -179,6 +188,4 @@ class DeviceBatches:
                 positions = batches._next_index()
             except StopIteration:
                 return
-            positions = torch.as_tensor(positions, dtype=torch.int64)
-            x, y = self.source.batch(positions, images, labels)
-            yield [x, y, torch.zeros(len(positions), dtype=torch.int64, device=x.device)]
+            yield minibatch(self.source, torch.as_tensor(positions, dtype=torch.int64), images, labels)

@@ -78,22 +78,22 @@ def add_scalar(run: Run, tag: str, value: float, step: int) -> None:
     TensorBoard shows is the same: each tag's value at its step."""
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    if run.tb_scalars and run.tb_scalars[0] != step:
+    if run.tb_scalars is not None and run.tb_scalars[0] != step:
         write_scalars(run)
-    if not run.tb_scalars:
-        run.tb_scalars = [step]
-    run.tb_scalars.append(Summary.Value(tag=tag, simple_value=float(value)))
+    if run.tb_scalars is None:
+        run.tb_scalars = (step, [])
+    run.tb_scalars[1].append(Summary.Value(tag=tag, simple_value=float(value)))
 
 
 def write_scalars(run: Run) -> None:
     """Hand the scalars :func:`add_scalar` collected to the run's writer, as one
     event (its thread writes it; the run flushes the writer when it stops)."""
-    if not run.tb_scalars:
+    if run.tb_scalars is None:
         return
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    step, *values = run.tb_scalars
-    run.tb_scalars = []
+    step, values = run.tb_scalars
+    run.tb_scalars = None
     # SummaryWriter.add_scalar makes one Summary per value and passes it to this same file writer
     run_writer(run)._get_file_writer().add_summary(Summary(value=values), step)
 

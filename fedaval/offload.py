@@ -64,12 +64,12 @@ def auto_policy(run: Run) -> str:
     if not 0 < sampled < total:
         return "none"
     first = run.clients[0]
-    if first.offloaded:
-        stored = first.stored_nbytes
-    else:
-        stored = first.offload()
+    measured = not first.offloaded
+    stored = first.offload() if measured else first.stored_nbytes
+    chosen = "none" if LIVE_FACTOR * stored * total <= MEMORY_SHARE * available_memory(run.device) else "cpu"
+    if measured and chosen == "none":  # offloaded only to be measured; with "cpu" it stays offloaded
         first.materialise()
-    return "none" if LIVE_FACTOR * stored * total <= MEMORY_SHARE * available_memory(run.device) else "cpu"
+    return chosen
 
 
 def available_memory(device: torch.device) -> int:

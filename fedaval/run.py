@@ -109,7 +109,7 @@ class Run:
         self.now: RoundInfo | None = None
         self.loggers: dict[str, Any] = {}
         self.tb_writer: Any = None
-        self.tb_scalars: list[Any] = []  # the round's scalars not yet written: [step, Summary.Value, ...]
+        self.tb_scalars: tuple[int, list[Any]] | None = None  # (step, its Summary.Values) not yet written
         self.device_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.use_device_path: bool | None = None
         self.offload_folder: Path | None = None
