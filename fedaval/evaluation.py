@@ -13,7 +13,6 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from avalanche.core import SupervisedPlugin
-from avalanche.evaluation.metrics import accuracy_metrics, bwt_metrics, forgetting_metrics
 from avalanche.logging import TensorboardLogger
 from avalanche.training.plugins import EvaluationPlugin
 
@@ -117,9 +116,19 @@ def client_accuracies(run: Run, round: int) -> dict[int, float | None]:
     return accuracies
 
 
+def evaluation_metrics() -> list[Any]:
+    """The plugin metrics every evaluator computes: accuracy, forgetting and
+    BWT per experience and over the stream, as Avalanche's
+    ``accuracy_metrics``, ``forgetting_metrics`` and ``bwt_metrics``
+    (experience and stream) compute them, in one pass
+    (:class:`fedaval.metrics.AccuracyForgettingBWT`)."""
+    from fedaval.metrics import AccuracyForgettingBWT
+
+    return [AccuracyForgettingBWT()]
+
+
 def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:
-    """Accuracy, forgetting and BWT per experience and over the stream
-    (a :class:`MetricsEvaluator`).
+    """:func:`evaluation_metrics` in a :class:`MetricsEvaluator`.
 
     Only the last values are kept (``collect_all=False``): the history is in
     results.json and TensorBoard, and a history kept in the evaluator would
@@ -128,9 +137,7 @@ def make_evaluator(run: Run, owner_tag: str) -> EvaluationPlugin:
     if loggers:
         run.loggers[owner_tag] = loggers[0]  # saved state refers to it by name (fedaval.state)
     return MetricsEvaluator(
-        accuracy_metrics(experience=True, stream=True),
-        forgetting_metrics(experience=True, stream=True),
-        bwt_metrics(experience=True, stream=True),
+        *evaluation_metrics(),
         loggers=loggers,
         collect_all=False,
         strict_checks=False,

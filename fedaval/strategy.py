@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from avalanche.core import SupervisedPlugin
-from avalanche.models.dynamic_modules import avalanche_model_adaptation
+from avalanche.models.dynamic_modules import DynamicModule, avalanche_model_adaptation
 from avalanche.training.templates import SupervisedTemplate
 
 from fedaval.device_data import device_batches, eval_batches
@@ -79,6 +79,7 @@ class FederatedStrategy(SupervisedTemplate):
         self.client = client
         self.task_begins = True
         self.task_ends = True
+        self._eval_model_as_is = False
         self.mb_features: torch.Tensor | None = None
         self._task_data: tuple[Any, Any] | None = None
 
@@ -121,21 +122,34 @@ class FederatedStrategy(SupervisedTemplate):
         super().make_train_dataloader(**kwargs)
         self.dataloader = device_batches(self.run, self.dataloader, self.adapted_dataset) or self.dataloader
 
+    def _before_eval(self, **kwargs):
+        super()._before_eval(**kwargs)
+        self._eval_model_as_is = self._needs_no_adaptation(self.model)
+
     def model_adaptation(self, model=None):
-        """Avalanche's, without its ``model.to(device)`` per evaluated experience
-        when every parameter and buffer is on the device already (a walk over
-        every module that costs as much as evaluating a small experience)."""
+        """Avalanche's, without its walk over every module per evaluated
+        experience (adapting dynamic modules, then ``model.to(device)``) when
+        the model has no dynamic module and every parameter and buffer is on
+        the device: checked once per ``eval()`` call instead, in
+        ``_before_eval``. Each walk costs about as much as evaluating a small
+        experience."""
         if self.is_training:
             return super().model_adaptation(model)
         model = self.model if model is None else model
+        if model is self.model and self._eval_model_as_is:
+            return model
         avalanche_model_adaptation(model, self.experience)
+        return model if self._on_device(model) else model.to(self.device)
+
+    def _needs_no_adaptation(self, model: torch.nn.Module) -> bool:
+        return not any(isinstance(m, DynamicModule) for m in model.modules()) and self._on_device(model)
+
+    def _on_device(self, model: torch.nn.Module) -> bool:
         device = torch.device(self.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         tensors = [*model.parameters(), *model.buffers()]
-        if tensors and all(t.device == device for t in tensors):
-            return model
-        return model.to(self.device)
+        return bool(tensors) and all(t.device == device for t in tensors)
 
     def make_eval_dataloader(self, **kwargs):
         batches = None if kwargs else eval_batches(self.run, self.adapted_dataset, self.eval_mb_size)

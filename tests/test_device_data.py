@@ -122,6 +122,35 @@ def test_evaluation_does_not_move_a_model_already_on_the_device(tiny_config, mon
     assert moved == []
 
 
+def test_evaluation_adapts_the_model_per_experience_only_if_it_has_dynamic_modules(tiny_config):
+    """Avalanche's model adaptation (a walk over every module) runs for each
+    evaluated experience only when the model has a dynamic module to adapt;
+    otherwise it is skipped after one check per ``eval()`` call."""
+    from avalanche.models.dynamic_modules import DynamicModule
+
+    from fedaval.build import build_run
+
+    class Recorder(DynamicModule):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def adaptation(self, experience):
+            self.seen.append(experience.current_experience)
+
+    run = build_run(tiny_config(scenario_options={"clients": 2, "tasks": 3}))
+    for task in range(3):
+        run.server.begin_task(task)
+    calls = []
+    walk = run.server.model.modules
+    run.server.model.modules = lambda: calls.append(1) or walk()
+    assert run.server.evaluate()
+    assert len(calls) == 1  # one check for the call, none per experience
+    run.server.model.recorder = Recorder()
+    assert run.server.evaluate()
+    assert run.server.model.recorder.seen == [0, 1, 2]
+
+
 def test_saved_clients_refer_to_the_run_data(tiny_config, tmp_path):
     from fedaval import state
     from fedaval.build import build_run

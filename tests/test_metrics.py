@@ -402,3 +402,51 @@ def test_a_metric_or_logger_that_overrides_a_callback_is_still_called():
     assert counter.calls == 1
     # a training-mode metric (minibatch accuracy) acts in the training callbacks
     assert "after_training_iteration" in MetricsEvaluator(accuracy_metrics(minibatch=True), loggers=[]).callbacks
+
+
+def test_one_pass_metrics_emit_what_avalanches_six_metrics_emit(tiny_config, monkeypatch):
+    """Every evaluator (server and clients, three stages, forgetting once a
+    stage has passed) computes fedaval's AccuracyForgettingBWT beside
+    Avalanche's accuracy/forgetting/BWT plugin metrics; a logger records what
+    each side emits in every callback: the same names, values and order."""
+    from avalanche.evaluation.metrics import accuracy_metrics, bwt_metrics, forgetting_metrics
+    from avalanche.logging import BaseLogger
+
+    import fedaval.evaluation as evaluation
+    from fedaval.backends import make_backend
+    from fedaval.build import build_run
+    from fedaval.coordinator import train
+    from fedaval.metrics import AccuracyForgettingBWT
+
+    class Recorder(BaseLogger):
+        def __init__(self):
+            super().__init__()
+            self.ours, self.avalanche = [], []
+
+        def log_metrics(self, metric_values):
+            ours = [(v.name, v.value) for v in metric_values if isinstance(v.origin, AccuracyForgettingBWT)]
+            theirs = [(v.name, v.value) for v in metric_values if not isinstance(v.origin, AccuracyForgettingBWT)]
+            self.ours.append(ours)
+            self.avalanche.append(theirs)
+
+    def both():
+        return [
+            AccuracyForgettingBWT(),
+            accuracy_metrics(experience=True, stream=True),
+            forgetting_metrics(experience=True, stream=True),
+            bwt_metrics(experience=True, stream=True),
+        ]
+
+    monkeypatch.setattr(evaluation, "evaluation_metrics", both)
+    config = tiny_config(scenario_options={"clients": 2, "tasks": 3}, rounds_per_task=2, checkpoint_every=0)
+    run = build_run(config, out_dir=Path(config.out))
+    recorders = []
+    for strategy in [run.server.strategy, *(c.strategy for c in run.clients)]:
+        recorders.append(Recorder())
+        strategy.evaluator.loggers.append(recorders[-1])
+    train(run, backend=make_backend(run))
+    for recorder in recorders:
+        assert recorder.ours == recorder.avalanche
+        emitted = [name for batch in recorder.ours for name, _ in batch]
+        assert any(name.startswith("ExperienceForgetting/") for name in emitted)
+        assert "StreamBWT/eval_phase/test_stream" in emitted and "Top1_Acc_Stream/eval_phase/test_stream" in emitted
