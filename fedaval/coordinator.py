@@ -481,7 +481,7 @@ def _train_rounds(
             if run.out_dir is not None:
                 _write(run, lambda: append_round(run.out_dir, record))  # noqa: B023 - called at once
                 if checkpoints.due(run, round, record["task_end"]):
-                    _write(run, lambda: checkpoint.save_in_background(run, results))
+                    _write(run, lambda: checkpoints.save(run, results))
                 if write_results:
                     _write(run, lambda: schedule.write(run, results))
             if on_round is not None:

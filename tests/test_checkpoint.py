@@ -146,6 +146,37 @@ def test_auto_checkpoints_once_a_minute_within_a_stage(monkeypatch):
     assert [r for r, d in enumerate(due, start=1) if d] == [3, 6, 8, 10]
 
 
+def test_auto_checkpoints_are_spaced_by_their_cost(monkeypatch):
+    """A checkpoint that kept training waiting for 2 s is not followed by
+    another within 50 x 2 = 100 s, even past the minute; a cheap one is."""
+    from types import SimpleNamespace
+
+    from fedaval import checkpoint
+
+    clock = [0.0]
+    monkeypatch.setattr(checkpoint.time, "perf_counter", lambda: clock[0])
+
+    def pickles_for(seconds):
+        def save_in_background(run, results):
+            clock[0] += seconds
+            return None
+
+        return save_in_background
+
+    run = SimpleNamespace(config=SimpleNamespace(checkpoint_every="auto"), total_rounds=100)
+    schedule = checkpoint.Schedule(run)
+    due = []
+    for round in range(1, 40):
+        clock[0] += 10
+        if schedule.due(run, round, task_end=False):
+            due.append(round)
+            monkeypatch.setattr(checkpoint, "save_in_background", pickles_for(2.0 if round < 20 else 0.1))
+            schedule.save(run, {})
+    # round 6 (60 s); then 100 s after it began: round 16 (2 s + 10 s a round), then round 26;
+    # round 26's checkpoint was cheap: once a minute again (6 rounds)
+    assert due == [6, 16, 26, 32, 38]
+
+
 @pytest.mark.parametrize("value", ["sometimes", "-1", -2, "1.5"])
 def test_bad_checkpoint_every_is_a_one_line_error(value):
     from fedaval.config import RunConfig
