@@ -182,3 +182,29 @@ def test_deterministic_switches_torch_to_deterministic_algorithms(tiny_config, t
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
+
+
+def test_avalanche_checks_a_strategys_arguments_once_per_class_and_names(monkeypatch):
+    """A second construction with the same argument names skips Avalanche's
+    signature walk; a misspelt argument is still refused naming it."""
+    import inspect
+
+    from fedaval.strategy import FederatedStrategy
+
+    def build(**extra):
+        model = torch.nn.Linear(2, 2)
+        return FederatedStrategy(
+            run=None, client=None, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **extra
+        )
+
+    build(train_mb_size=7)
+    calls = []
+    signature = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda *a, **k: calls.append(a) or signature(*a, **k))
+    build(train_mb_size=8)
+    repeated = len(calls)
+    calls.clear()
+    build(train_mb_size=8, train_epochs=2)  # new names: checked, a signature per class of the MRO
+    assert len(calls) >= repeated + len(FederatedStrategy.__mro__) - 2
+    with pytest.raises(TypeError, match="train_mb_sise"):
+        build(train_mb_sise=8)
