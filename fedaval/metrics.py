@@ -62,12 +62,12 @@ class AccuracyForgettingBWT(PluginMetric[None]):
         self.train_exp_id = strategy.experience.current_experience
 
     def before_eval(self, strategy: Any) -> None:
+        # The experience's accuracy is reset here and after each experience
+        # (after_eval_exp), not in before_eval_exp: one callback less per
+        # evaluated experience, for the same values.
         self.forgetting.reset_last()
-        for mean in (self._stream_accuracy, self._stream_forgetting, self._stream_bwt):
+        for mean in (self._exp_accuracy, self._stream_accuracy, self._stream_forgetting, self._stream_bwt):
             mean.reset()
-
-    def before_eval_exp(self, strategy: Any) -> None:
-        self._exp_accuracy.reset()
 
     @torch.no_grad()
     def after_eval_iteration(self, strategy: Any) -> None:
@@ -81,6 +81,7 @@ class AccuracyForgettingBWT(PluginMetric[None]):
     def after_eval_exp(self, strategy: Any) -> list[MetricValue]:
         exp = strategy.experience.current_experience
         accuracy = self._exp_accuracy.result()
+        self._exp_accuracy.reset()
         self.forgetting.update(exp, accuracy, initial=self.train_exp_id == exp)
         x = strategy.clock.train_iterations
         values = [MetricValue(self, get_metric_name("Top1_Acc_Exp", strategy, add_experience=True), accuracy, x)]
