@@ -75,8 +75,9 @@ class AccuracyForgettingBWT(PluginMetric[None]):
         # count of matches, and the minibatch's accuracy weighted by its size.
         true_positives = float(torch.sum(torch.eq(torch.max(strategy.mb_output, 1)[1], strategy.mb_y)))
         total = len(strategy.mb_y)
-        self._exp_accuracy.update(true_positives / total, total)
-        self._stream_accuracy.update(true_positives / total, total)
+        accuracy = true_positives / total
+        self._exp_accuracy.update(accuracy, total)
+        self._stream_accuracy.update(accuracy, total)
 
     def after_eval_exp(self, strategy: Any) -> list[MetricValue]:
         exp = strategy.experience.current_experience
