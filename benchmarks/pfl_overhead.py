@@ -96,9 +96,15 @@ Timed on pfl's side: its whole simulation, data set-up included (loading the
 data, partition, schedule, initial model, pfl's objects, then
 ``FederatedAveraging.run``). Timed on fedaval's side: ``overhead.time_fedaval``
 (``fedaval.api.run_training`` with its defaults, ``--augment none``, in a
-temporary run folder removed after each run). Interpreter start-up and imports
-are not timed on either side: one untimed one-round run of each side comes
-first (lazy imports), and each shape's data is loaded once untimed (the
+temporary run folder removed after each run). Each timed run has an
+interpreter of its own (``--in-process``: all in this one), so that each side
+runs in the process state its users get: fedaval's ``--host-memory keep``
+(its default: freed host memory kept for reuse) would otherwise stay with the
+process and speed up the pfl side too; ``--pfl-host-memory keep`` gives the
+pfl side's processes the same policy, which compares the frameworks alone.
+Interpreter start-up and imports are not timed on either side: an untimed
+one-round run of the same side comes first in each process (lazy imports,
+first allocations), and each shape's data is loaded once untimed (the
 decoded-image cache, which both sides then read). Repeats alternate which
 side goes first; medians are reported, and the ratio fedaval / pfl.
 """
@@ -113,6 +119,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -383,15 +390,57 @@ def time_fedaval(work, tmp: Path, name: str) -> tuple[float, dict[str, torch.Ten
         shutil.rmtree(out, ignore_errors=True)
 
 
+def time_side(side: str, work, tmp: Path, name: str, pfl_host_memory: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """One timed run of ``side`` in this process (the pfl side's process first
+    given ``pfl_host_memory``, fedaval's ``--host-memory`` policy)."""
+    if side == "fedaval":
+        return time_fedaval(work, tmp, name)
+    from fedaval import host_memory
+
+    host_memory.apply(pfl_host_memory)
+    return time_pfl(work)
+
+
+def time_isolated(args, side: str, work, tmp: Path, name: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """One timed run of ``side`` in an interpreter of its own (``--child``),
+    after an untimed one-round run there (lazy imports, first allocations), so
+    that neither side runs in the process state the other left: the C
+    library's malloc policy above all (fedaval's ``--host-memory keep``, once
+    applied, stays with the process; a pfl user's process has glibc's own)."""
+    job = tmp / f"{name}-{side}.pt"
+    torch.save({"side": side, "work": work, "threads": args.threads, "pfl_host_memory": args.pfl_host_memory}, job)
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(job)], check=True)
+    seconds, state = torch.load(job, weights_only=False)["result"]
+    job.unlink()
+    return seconds, state
+
+
+def child(job_path: str) -> int:
+    """``--child JOB``: the timed run that ``time_isolated`` asked for."""
+    job = torch.load(job_path, weights_only=False)
+    torch.set_num_threads(job["threads"])
+    tmp = Path(tempfile.mkdtemp(prefix="fedaval-pfl-child-"))
+    try:
+        warm = copy.copy(job["work"])
+        warm.tasks, warm.rounds_per_task = 1, 1
+        time_side(job["side"], warm, tmp, "warm-up", job["pfl_host_memory"])
+        job["result"] = time_side(job["side"], job["work"], tmp, "timed", job["pfl_host_memory"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    torch.save(job, job_path)
+    return 0
+
+
 def measure(args, shape: str, tmp: Path, warm_up: bool) -> dict:
-    """``--repeats`` alternating timed runs of both sides on one shape (after
-    an untimed one-round run of each with ``warm_up``: lazy imports, allocator),
-    and the largest weight difference."""
+    """``--repeats`` alternating timed runs of both sides on one shape, each
+    in a fresh interpreter (``--in-process``: all in this one, after an
+    untimed one-round run of each with ``warm_up``), and the largest weight
+    difference."""
     from fedaval.datasets import load_dataset
 
     work = shape_work(args, shape)
     load_dataset(work.dataset, work.data_root, False)  # untimed: the decoded-image cache of this shape's data
-    if warm_up:
+    if warm_up and args.in_process:
         warm = copy.copy(work)
         warm.tasks, warm.rounds_per_task = 1, 1
         time_fedaval(warm, tmp, f"{shape}-warm-up")
@@ -401,10 +450,10 @@ def measure(args, shape: str, tmp: Path, warm_up: bool) -> dict:
     for repeat in range(args.repeats):
         states = {}
         for side in ("fedaval", "pfl") if repeat % 2 == 0 else ("pfl", "fedaval"):
-            if side == "fedaval":
-                seconds, states[side] = time_fedaval(work, tmp, f"{shape}-{repeat}")
+            if args.in_process:
+                seconds, states[side] = time_side(side, work, tmp, f"{shape}-{repeat}", args.pfl_host_memory)
             else:
-                seconds, states[side] = time_pfl(work)
+                seconds, states[side] = time_isolated(args, side, work, tmp, f"{shape}-{repeat}")
             times[side].append(seconds)
             print(f"{shape}, repeat {repeat}: {side} {seconds:.3f} s", flush=True)
         difference = max(difference, max_difference(states["fedaval"], states["pfl"]))
@@ -415,6 +464,9 @@ def measure(args, shape: str, tmp: Path, warm_up: bool) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child(argv[1])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     overhead.add_work_arguments(parser)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
@@ -431,6 +483,19 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, choices=(1, 2), help="torch threads, both sides")
     parser.add_argument(
         "--exact", action="store_true", help="add an untimed pfl run per shape with fedaval's float64 aggregation"
+    )
+    parser.add_argument(
+        "--pfl-host-memory",
+        default="release",
+        choices=("release", "keep"),
+        help="the pfl side's process under fedaval's --host-memory policy (default release: glibc's own, "
+        "what a pfl user gets; keep: the same as fedaval's default, to compare the frameworks alone)",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="time both sides in this process (faster; the side that runs later inherits the malloc policy "
+        "fedaval applied, so the ratio then leaves fedaval's --host-memory out)",
     )
     parser.add_argument("--write", action="store_true", help="append the table to benchmarks/results/pfl_overhead.md")
     args = parser.parse_args(argv)
@@ -467,7 +532,7 @@ def main(argv=None) -> int:
     print("\n".join(rows))
     print(load)
     if args.write:
-        argv_text = " ".join(argv if argv is not None else sys.argv[1:])
+        argv_text = " ".join(argv)
         text = (
             f"\n## {', '.join(shapes)}\n\n"
             f"Command: `python benchmarks/pfl_overhead.py{' ' + argv_text if argv_text else ''}`\n"

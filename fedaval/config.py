@@ -12,6 +12,7 @@ from fedaval.errors import FedavalUsageError
 FAILURE_POLICIES = ("drop", "fail")
 DATA_PATHS = ("auto", "device", "loader")
 OFFLOAD_POLICIES = ("auto", "none", "cpu", "disk")
+HOST_MEMORY = ("keep", "release")  # fedaval/host_memory.py
 BACKENDS = ("local", "ray")
 OPTIMIZER_STATES = ("reset", "keep")
 LR_SCHEDULES = ("constant", "cosine", "exp")
@@ -67,6 +68,7 @@ class RunConfig:
     on_client_failure: str = "drop"
     data_path: str = "auto"
     offload_clients: str = "auto"
+    host_memory: str = "keep"
     backend: str = "local"
     client_gpus: float = 0.0
     ray_address: str | None = None
@@ -120,6 +122,12 @@ class RunConfig:
                 self.offload_clients,
                 self.offload_clients in OFFLOAD_POLICIES,
                 "one of " + ", ".join(OFFLOAD_POLICIES),
+            ),
+            (
+                "--host-memory",
+                self.host_memory,
+                self.host_memory in HOST_MEMORY,
+                "one of " + ", ".join(HOST_MEMORY),
             ),
             ("--backend", self.backend, self.backend in BACKENDS, "one of " + ", ".join(BACKENDS)),
             (

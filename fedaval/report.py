@@ -57,6 +57,7 @@ NOT_A_SETTING = (
     "client_gpus",
     "offload_clients",
     "data_path",
+    "host_memory",
 )
 
 

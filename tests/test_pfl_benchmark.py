@@ -26,7 +26,7 @@ def test_pfl_benchmark_does_the_same_work_as_fedaval(cifar10_root, monkeypatch, 
 
     args = ["--dataset", "imagefolder", "--data-root", str(cifar10_root), "--model", "cnn", "--repeats", "1"]
     args += ["--shapes", "short-tasks,cross-device", "--tasks", "2", "--rounds-per-task", "1"]
-    args += ["--cd-clients", "10", "--cd-per-round", "5", "--cd-rounds", "2", "--exact"]
+    args += ["--cd-clients", "10", "--cd-per-round", "5", "--cd-rounds", "2", "--exact", "--in-process"]
     assert pfl_overhead.main(args) == 0
     out = capsys.readouterr().out
     rows = {
