@@ -19,6 +19,10 @@ fedaval's side is `fedaval.api.run_training` (what `fedaval train` calls),
 with everything a run does by default: rounds.jsonl after every round, results.json on its schedule,
 TensorBoard events, a checkpoint after every round. Interpreter start-up and
 imports are not timed on either side; data loading is timed on both.
+Both sides run in this one process, so from fedaval's first run on both have
+its ``--host-memory keep`` (freed host memory kept for reuse): the ratio
+compares the frameworks alone; ``benchmarks/host_memory.py`` measures that
+policy, and ``pfl_overhead.py`` gives each run a process of its own.
 
 Prints the median wall time of each over ``--repeats`` alternating repeats and
 their ratio; ``--write`` puts the table in benchmarks/results/overhead.md.
@@ -61,6 +65,7 @@ def run_config(args, out: Path):
         lr=args.lr,
         momentum=0.0,  # the plain loop's SGD has no momentum
         augment="none",  # nor augmentation (--augment auto is crop+flip on CIFAR-10 and image folders)
+        host_memory=getattr(args, "host_memory", "keep"),  # benchmarks/host_memory.py sets it
         device=args.device,
         seed=args.seed,
         out=str(out),
