@@ -7,8 +7,9 @@ free top of its heap back to the system as well. Training and evaluation make
 and free the same large activations every minibatch (a batch of 256 CIFAR-10
 images through the ``cnn``'s first convolution: 33.5 MB), so each time the
 kernel maps and zeroes those pages again. On the CIFAR-10 ``cnn`` workload of
-``benchmarks/overhead.py`` that is 2.9 to 4.7 million page faults and 8 to 12 s
-of kernel time in a 50 s run (docs/performance.md, "Host memory").
+``benchmarks/overhead.py`` that is 2.5 to 3.1 million page faults and 6.5 to 8
+s of kernel time in a 45 to 55 s run, 13% of the time
+(``benchmarks/host_memory.py``; docs/performance.md, "Host memory").
 
 ``keep`` (the default): glibc's ``mallopt`` serves every block from the heap
 (``M_MMAP_MAX`` 0) and never trims it (``M_TRIM_THRESHOLD`` at its maximum),
