@@ -30,7 +30,7 @@ logs a warning saying so.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import logging
 
 from fedaval.config import HOST_MEMORY as CHOICES
@@ -47,14 +47,15 @@ INT_MAX = 2**31 - 1
 _kept = False  # whether this process's C library was told to keep freed memory
 
 
+@functools.cache
 def _mallopt():
-    """glibc's ``mallopt``, or ``None`` where the C library has none (or a stub)."""
+    """glibc's ``mallopt``, or ``None`` where the C library has none (or a stub);
+    looked up once per process, in the symbols the process already has loaded."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        gnu_get_libc_version = libc.gnu_get_libc_version  # glibc only: musl's mallopt is a stub
-    except (OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only: musl's mallopt is a stub
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows takes no CDLL(None)
         return None
-    gnu_get_libc_version.restype = ctypes.c_char_p
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return mallopt
@@ -66,8 +67,8 @@ def apply(choice: str) -> bool:
     global _kept
     if choice not in CHOICES:
         raise ValueError(f"host memory policy {choice!r}; allowed: {', '.join(CHOICES)}")
-    if choice == "release" and not _kept:
-        return False  # the C library's own policy, untouched
+    if _kept == (choice == "keep"):
+        return False  # already so: kept, or the C library's own policy untouched
     mallopt = _mallopt()
     if mallopt is None:
         logging.getLogger("fedaval").warning(

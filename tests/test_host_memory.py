@@ -59,6 +59,7 @@ def test_release_alone_leaves_the_c_library_as_it_is(monkeypatch):
 def test_without_mallopt_keep_warns_and_changes_nothing(monkeypatch, caplog):
     from fedaval import host_memory
 
+    monkeypatch.setattr(host_memory, "_kept", False)  # earlier runs in this process kept memory
     monkeypatch.setattr(host_memory, "_mallopt", lambda: None)
     assert host_memory.apply("keep") is False
     assert "has no glibc mallopt" in caplog.text
