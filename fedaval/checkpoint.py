@@ -13,9 +13,10 @@ A checkpoint is the whole state of a run after a completed round, in one file
 * results.json's content so far.
 
 The run's objects go into one pickle (so an object shared by a plugin and a
-client is still shared after resuming); the results, plain data, are pickled
-beside it without the run's references, so their cost stays that of plain
-``pickle``. The run itself (configuration, dataset,
+client is still shared after resuming), their tensors' storages beside it, each
+written as its raw bytes (:class:`fedaval.state.KeptStorages`); the results,
+plain data, are pickled beside them without the run's references, so their
+cost stays that of plain ``pickle``. The run itself (configuration, dataset,
 partition, schedule) is not stored: resuming rebuilds it from ``config.json``
 with the same seed, then loads the checkpoint over it. A checkpoint is
 therefore read by the fedaval version and plugins that wrote it; it is not an
@@ -26,9 +27,10 @@ moment leaves the previous complete checkpoint; the newest
 ``--keep-checkpoints`` are kept.
 
 During training (:func:`save_in_background`) the run's objects are pickled to
-bytes at the end of the round, as before, and the rest (pickling the results,
-writing, syncing, renaming, pruning) happens in a background thread while the
-next round trains; :func:`wait` joins it (before the next checkpoint, before
+bytes at the end of the round, with a copy of their tensors' storages (they
+change in the next round), and the rest (writing the storages and the results,
+syncing, renaming, pruning) happens in a background thread while the next
+round trains; :func:`wait` joins it (before the next checkpoint, before
 results.json is rewritten, and when the run stops) and raises its error, if
 any (a full disk), there.
 """
@@ -52,7 +54,7 @@ from fedaval.errors import FedavalUsageError
 if TYPE_CHECKING:
     from fedaval.run import Run
 
-FORMAT = 2  # 1: one RunPickler pickle holding the results too (still read)
+FORMAT = 3  # still read: 1, one RunPickler pickle holding the results too; 2, the storages inside "state"
 FOLDER = "checkpoints"
 _NAME = re.compile(r"^round-(\d{6})\.ckpt$")
 
@@ -134,16 +136,24 @@ def snapshot(run: Run, results: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
         "rng": rng_state(run.device),
     }
     buffer = io.BytesIO()
-    state.dump(run, objects, buffer)
+    storages = state.KeptStorages(copy=True)
+    state.dump(run, objects, buffer, keep=storages)
     results = dict(results, rounds=list(results.get("rounds", [])), tasks=list(results.get("tasks", [])))
-    content = {"format": FORMAT, "round": run.round, "task": run.task, "state": buffer.getvalue(), "results": results}
+    content = {
+        "format": FORMAT,
+        "round": run.round,
+        "task": run.task,
+        "state": buffer.getvalue(),
+        "storages": storages,
+        "results": results,
+    }
     assert run.out_dir is not None, "only a run with a folder is checkpointed"
     return path_for(run.out_dir, run.round), content
 
 
 def _write_snapshot(path: Path, content: dict[str, Any], keep: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as fh:
+    with atomic_file(path) as fh, state.no_cyclic_gc():  # a collection here would hold the GIL from training
         pickle.dump(content, fh, protocol=state.PROTOCOL)
     for _, old in saved(path.parent.parent)[keep:]:
         old.unlink(missing_ok=True)
@@ -196,10 +206,10 @@ def restore(run: Run, path: Path) -> dict[str, Any]:
     """Load checkpoint ``path`` over a freshly built ``run``; return the results so far."""
     with open(path, "rb") as fh:
         content = state.load(run, fh)  # format 2 holds no references: this is plain pickle.load
-    if not isinstance(content, dict) or content.get("format") not in (1, FORMAT):
-        raise FedavalUsageError(f"{path} is not a fedaval checkpoint of format 1 or {FORMAT}")
-    if content["format"] == FORMAT:
-        content = {**state.loads(run, content["state"]), **content}
+    if not isinstance(content, dict) or content.get("format") not in (1, 2, FORMAT):
+        raise FedavalUsageError(f"{path} is not a fedaval checkpoint of format 1 to {FORMAT}")
+    if content["format"] > 1:
+        content = {**state.loads(run, content["state"], keep=content.get("storages")), **content}
     run.clients = content["clients"]
     run.server = content["server"]
     run.round = content["round"]

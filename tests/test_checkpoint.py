@@ -187,7 +187,7 @@ def test_bad_checkpoint_every_is_a_one_line_error(value):
 
 
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tiny_config, tmp_path, monkeypatch):
-    from fedaval import checkpoint, state
+    from fedaval import checkpoint
     from fedaval.build import build_run
 
     config = tiny_config(out=str(tmp_path / "run"))
@@ -196,16 +196,52 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(tiny_config, tmp
     first = checkpoint.save(run, {"rounds": [1]})
     before = first.read_bytes()
 
-    def dies(run, obj, fh):
-        fh.write(b"half a pickle")
-        raise KeyboardInterrupt  # as a kill would, between write and rename
+    class DiesWriting:  # the file's pickle.dump (the run's objects are pickled to bytes before)
+        @staticmethod
+        def dump(obj, fh, protocol=None):
+            fh.write(b"half a pickle")
+            raise KeyboardInterrupt  # as a kill would, between write and rename
 
-    monkeypatch.setattr(state, "dump", dies)
+    monkeypatch.setattr(checkpoint, "pickle", DiesWriting)
     run.round = 2
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(run, {"rounds": [1, 2]})
     assert [r for r, _ in checkpoint.saved(tmp_path / "run")] == [1]
     assert first.read_bytes() == before
+
+
+def test_a_checkpoint_holds_the_tensors_as_they_were_when_it_was_taken(tiny_config, tmp_path, monkeypatch):
+    """The run's objects are pickled at the end of the round and written in the
+    background while the next round changes the tensors in place: the
+    checkpoint must hold copies of the storages, not the storages."""
+    import threading
+
+    import torch
+
+    from fedaval import checkpoint
+    from fedaval.build import build_run
+
+    config = tiny_config(out=str(tmp_path / "run"))
+    run = build_run(config, out_dir=tmp_path / "run")
+    run.round = 1
+    weight = next(run.clients[0].model.parameters())
+    before = weight.detach().clone()
+    go = threading.Event()
+    write = checkpoint._write_snapshot
+
+    def after_the_next_round(*args):
+        go.wait(30)
+        write(*args)
+
+    monkeypatch.setattr(checkpoint, "_write_snapshot", after_the_next_round)
+    path = checkpoint.save_in_background(run, {"rounds": [1]})
+    with torch.no_grad():
+        weight.add_(1.0)  # the next round trains
+    go.set()
+    checkpoint.wait(run)
+    fresh = build_run(config, out_dir=tmp_path / "run")
+    checkpoint.restore(fresh, path)
+    assert torch.equal(next(fresh.clients[0].model.parameters()), before)
 
 
 def test_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tiny_config, tmp_path, caplog):

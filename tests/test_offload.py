@@ -126,7 +126,8 @@ def test_offloading_to_memory_keeps_the_tensors_storages_instead_of_copying_them
     assert torch.equal(loaded, values) and loaded.grad is None
 
 
-def test_kept_storages_pickle_as_one_bytes_object_and_come_back_equal():
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_kept_storages_pickle_as_raw_bytes_and_come_back_equal(protocol):
     import pickle
 
     from fedaval.state import KeptStorages
@@ -136,13 +137,73 @@ def test_kept_storages_pickle_as_one_bytes_object_and_come_back_equal():
     for t in tensors:
         kept.keep(t._typed_storage())
     kept.keep(torch.tensor([7], dtype=torch.uint8).untyped_storage())
-    data = pickle.dumps(kept)
+    data = pickle.dumps(kept, protocol=protocol)
     assert data.count(b"PK") == 0  # no torch.save archive per storage
     back = pickle.loads(data)
     assert len(back) == 4 and back.nbytes == kept.nbytes
     for t, storage in zip(tensors, back.storages):
         assert storage.dtype == t.dtype and torch.equal(torch.tensor([], dtype=t.dtype).set_(storage), t)
     assert bytes(torch.empty(0, dtype=torch.uint8).set_(back.storages[3]).numpy()) == bytes([7])
+    back.storages[0][0] = 99.0  # storages of their own, not views of the pickle's bytes
+    assert back.storages[0][0] == 99.0 and tensors[0][0] == 0.0
+
+
+def test_kept_storages_of_format_2_checkpoints_are_still_read():
+    """Until session 10 every storage's bytes went into one bytes object."""
+    import numpy as np
+
+    from fedaval.state import _unpack_storages
+
+    a, b = torch.arange(3, dtype=torch.float32), torch.tensor([5], dtype=torch.int64)
+    data = np.concatenate([a.numpy().view(np.uint8), b.numpy().view(np.uint8)]).tobytes()
+    back = _unpack_storages([("float32", None, 12), ("int64", None, 8)], data)
+    assert torch.equal(torch.tensor([], dtype=torch.float32).set_(back.storages[0]), a)
+    assert torch.equal(torch.tensor([], dtype=torch.int64).set_(back.storages[1]), b)
+
+
+def test_a_copying_keep_holds_the_storage_as_it_was_and_keeps_shared_storages_shared():
+    """A checkpoint keeps copies (the next round changes the tensors in place);
+    two tensors on one storage are one storage again when loaded."""
+    import io
+
+    from fedaval.state import KeptStorages, RunPickler, RunUnpickler
+
+    base = torch.arange(4, dtype=torch.float32)
+    view = base[1:]
+    kept = KeptStorages(copy=True)
+    buffer = io.BytesIO()
+    RunPickler(buffer, {}, keep=kept).dump([base, view])
+    base.add_(10)  # after the snapshot
+    assert len(kept) == 1
+    loaded_base, loaded_view = RunUnpickler(io.BytesIO(buffer.getvalue()), {}, keep=kept).load()
+    assert torch.equal(loaded_base, torch.arange(4, dtype=torch.float32))
+    loaded_base[1] = -1.0
+    assert loaded_view[0] == -1.0  # still one storage
+
+
+def test_state_is_pickled_and_unpickled_with_the_cyclic_gc_off_and_turned_back_on(tiny_config):
+    import gc
+
+    from fedaval import state
+    from fedaval.build import build_run
+
+    seen = []
+
+    class Probe:
+        def __reduce__(self):
+            seen.append(gc.isenabled())
+            return (gc.isenabled, ())  # called when unpickled: what it returns is loaded
+
+    run = build_run(tiny_config())
+    assert gc.isenabled()
+    assert state.loads(run, state.dumps(run, Probe())) is False
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        state.dumps(run, Probe())
+        assert not gc.isenabled()  # left as it was
+    finally:
+        gc.enable()
 
 
 def test_clients_share_the_runs_test_experiences_and_save_them_by_name(tiny_config, tmp_path):

@@ -64,6 +64,9 @@ class _RelocatingPickler(state.RunPickler):
     def reducer_override(self, obj: Any) -> Any:
         import torch
 
+        reference = super().reducer_override(obj)  # the run's shared objects stay references
+        if reference is not NotImplemented:
+            return reference
         if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
             is_parameter = isinstance(obj, torch.nn.Parameter)
             return _on_receiver_device, (obj.detach().cpu(), obj.requires_grad, is_parameter, self._run)
