@@ -265,7 +265,10 @@ def client_rng(seed: int, client_id: int, device: torch.device) -> dict[str, Any
     client_seed = int(np.random.SeedSequence([seed, client_id]).generate_state(1)[0])
     random.seed(client_seed)
     np.random.seed(client_seed)
-    torch.manual_seed(client_seed)
+    if device.type == "cuda":
+        torch.manual_seed(client_seed)
+    else:  # the CPU generator only: torch.manual_seed also queues a seed for CUDA, capturing the stack (~1 ms)
+        torch.default_generator.manual_seed(client_seed)
     try:
         return rng_state(device)
     finally:
