@@ -1,0 +1,123 @@
+"""What a checkpoint costs with many live clients: the seconds it keeps
+training waiting, the seconds its background write takes, and a restore.
+
+    python benchmarks/checkpoint_cost.py                               # this checkout, 1000 cnn clients
+    python benchmarks/checkpoint_cost.py --checkout /tmp/old --checkout .   # two checkouts, alternating
+
+The run is the cross-device shape of ``pfl_overhead.py`` (the shared CIFAR-10
+subset, 1000 clients of 50 images, ``cnn``, 50 sampled per round, every
+client kept live), built and trained for one round by
+``fedaval.api.run_training``; then ``--repeats`` checkpoints of it are taken:
+``fedaval.checkpoint.snapshot`` (what training waits for: the run's objects
+pickled), ``_write_snapshot`` (the file, written in the background during
+training) and ``restore`` into a fresh build. Each checkout runs in a fresh
+interpreter with ``PYTHONPATH`` set to it (one torch thread), alternating,
+so that the ratios come from one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+CHILD = r"""
+import argparse, json, sys, tempfile, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import torch, fedaval
+assert Path(fedaval.__file__).parent.parent == Path(sys.argv[3]), fedaval.__file__
+torch.set_num_threads(1)
+import overhead
+from cifar_data import cifar_subset
+from fedaval import checkpoint, hookimpl
+from fedaval.api import run_training
+from fedaval.build import build_run
+
+options = json.loads(sys.argv[1])
+parser = argparse.ArgumentParser()
+overhead.add_work_arguments(parser)
+work = parser.parse_args([])  # pfl_overhead.py's cross-device shape, one round
+work.clients, work.clients_per_round, work.tasks, work.rounds_per_task = options["clients"], 50, 1, 1
+work.batch_size, work.alpha, work.device = 10, 1e6, "cpu"
+work.data_root = str(cifar_subset(options["clients"] * 50 // 10, 10))
+
+class Keep:
+    @hookimpl
+    def fedaval_setup(self, run):
+        self.run = run
+
+keep = Keep()
+with tempfile.TemporaryDirectory() as out:
+    config = overhead.run_config(work, Path(out) / "run")
+    run_training(config, extra_plugins=[keep])
+    run = keep.run
+    times = {"snapshot": [], "write": [], "restore": []}
+    for _ in range(options["repeats"]):
+        start = time.perf_counter()
+        path, content = checkpoint.snapshot(run, {"rounds": []})
+        times["snapshot"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        checkpoint._write_snapshot(path, content, 1)
+        times["write"].append(time.perf_counter() - start)
+        del content
+    size = path.stat().st_size
+    fresh = build_run(config, out_dir=Path(out) / "run")
+    start = time.perf_counter()
+    checkpoint.restore(fresh, path)
+    times["restore"].append(time.perf_counter() - start)
+print("RESULT " + json.dumps({"times": times, "bytes": size}))
+"""
+
+
+def measure(checkout: Path, clients: int, repeats: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    options = json.dumps({"clients": clients, "repeats": repeats})
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, options, str(HERE), str(checkout)],
+        cwd=checkout,  # ``-c`` puts the working directory first on sys.path
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise SystemExit(f"the run in {checkout} failed:\n{done.stderr[-2000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkout", action="append", type=Path, help="a fedaval checkout (repeatable; default: this one)")
+    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3, help="checkpoints per process")
+    parser.add_argument("--rounds", type=int, default=2, help="processes per checkout, alternating")
+    args = parser.parse_args(argv)
+    checkouts = [c.resolve() for c in (args.checkout or [HERE.parent])]
+    results: dict[Path, list[dict]] = {c: [] for c in checkouts}
+    for repeat in range(args.rounds):
+        for checkout in checkouts if repeat % 2 == 0 else checkouts[::-1]:
+            result = measure(checkout, args.clients, args.repeats)
+            results[checkout].append(result)
+            print(f"{checkout}: " + json.dumps(result["times"]), flush=True)
+    print(f"\n{args.clients} live cnn clients; medians over {args.rounds} processes x {args.repeats} checkpoints")
+    print("| checkout | snapshot (training waits) s | write (background) s | restore s | file MB |")
+    print("|---|---|---|---|---|")
+    for checkout, runs in results.items():
+        median = {k: statistics.median(t for r in runs for t in r["times"][k]) for k in ("snapshot", "write", "restore")}
+        print(
+            f"| {checkout} | {median['snapshot']:.2f} | {median['write']:.2f} | {median['restore']:.2f} "
+            f"| {runs[-1]['bytes'] / 1e6:.0f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
