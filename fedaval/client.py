@@ -156,7 +156,7 @@ class Client:
 
     def __getstate__(self) -> dict[str, Any]:
         # a checkpoint holds an offloaded client's pickle itself, not its file name; kept
-        # storages pickle as one bytes object (KeptStorages.__reduce__)
+        # storages pickle as their raw bytes (KeptStorages.__reduce_ex__)
         saved = dict(self.__dict__)
         if isinstance(saved.get("_offloaded"), Path):
             saved["_offloaded"] = saved["_offloaded"].read_bytes()

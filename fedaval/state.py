@@ -7,7 +7,7 @@ every plugin to describe its state, fedaval pickles the objects themselves,
 like Avalanche's own ``save_checkpoint`` does, with one difference: objects
 the run shares and can rebuild from its configuration (the run itself, its
 dataset tensors, the plugin objects, the TensorBoard loggers) are written as
-references (pickle's persistent ids) and resolved against the new run when
+references (:class:`RunPickler`) and resolved against the new run when
 loaded. So a client's bytes hold the client's own state and index arrays,
 never a copy of the dataset, and objects shared between a plugin and a client
 stay one object after loading.

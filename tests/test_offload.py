@@ -85,7 +85,7 @@ def test_available_memory_is_a_plausible_byte_count():
 
 @pytest.mark.parametrize("where", ["cpu", "disk"])
 def test_resume_with_offloaded_clients(tiny_config, tmp_path, where):
-    """``cpu``: the checkpoint holds the offloaded clients' kept storages (as one bytes object each)."""
+    """``cpu``: the checkpoint holds the offloaded clients' kept storages (as their raw bytes)."""
     from fedaval import checkpoint
     from fedaval.api import run_training
     from fedaval.build import build_run
