@@ -95,7 +95,9 @@ def measure(checkout: Path, clients: int, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkout", action="append", type=Path, help="a fedaval checkout (repeatable; default: this one)")
+    parser.add_argument(
+        "--checkout", action="append", type=Path, help="a fedaval checkout (repeatable; default: this one)"
+    )
     parser.add_argument("--clients", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3, help="checkpoints per process")
     parser.add_argument("--rounds", type=int, default=2, help="processes per checkout, alternating")
@@ -111,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| checkout | snapshot (training waits) s | write (background) s | restore s | file MB |")
     print("|---|---|---|---|---|")
     for checkout, runs in results.items():
-        median = {k: statistics.median(t for r in runs for t in r["times"][k]) for k in ("snapshot", "write", "restore")}
+        median = {
+            k: statistics.median(t for r in runs for t in r["times"][k]) for k in ("snapshot", "write", "restore")
+        }
         print(
             f"| {checkout} | {median['snapshot']:.2f} | {median['write']:.2f} | {median['restore']:.2f} "
             f"| {runs[-1]['bytes'] / 1e6:.0f} |"
