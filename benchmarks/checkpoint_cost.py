@@ -44,7 +44,8 @@ options = json.loads(sys.argv[1])
 parser = argparse.ArgumentParser()
 overhead.add_work_arguments(parser)
 work = parser.parse_args([])  # pfl_overhead.py's cross-device shape, one round
-work.clients, work.clients_per_round, work.tasks, work.rounds_per_task = options["clients"], 50, 1, 1
+work.clients, work.clients_per_round = options["clients"], min(50, options["clients"])
+work.tasks, work.rounds_per_task = 1, 1
 work.batch_size, work.alpha, work.device = 10, 1e6, "cpu"
 work.data_root = str(cifar_subset(options["clients"] * 50 // 10, 10))
 
@@ -77,19 +78,22 @@ print("RESULT " + json.dumps({"times": times, "bytes": size}))
 
 
 def measure(checkout: Path, clients: int, repeats: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(checkout))
     options = json.dumps({"clients": clients, "repeats": repeats})
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    # cwd: ``-c`` puts the working directory first on sys.path
+    return child_result(CHILD, [options, str(HERE), str(checkout)], f"the run in {checkout}", cwd=checkout, env=env)
+
+
+def child_result(code: str, args: list[str], what: str, **run_options) -> dict:
+    """Run ``code`` in a fresh interpreter (``python -c code *args``); the JSON
+    object on its last ``RESULT`` line. A failed run ends the benchmark,
+    with ``what`` and the end of its standard error."""
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, options, str(HERE), str(checkout)],
-        cwd=checkout,  # ``-c`` puts the working directory first on sys.path
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, check=False, **run_options
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
-        raise SystemExit(f"the run in {checkout} failed:\n{done.stderr[-2000:]}")
+        raise SystemExit(f"{what} failed:\n{done.stderr[-2000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 

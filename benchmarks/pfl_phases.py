@@ -17,11 +17,10 @@ microseconds a call.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from checkpoint_cost import child_result
 
 HERE = Path(__file__).resolve().parent
 
@@ -83,16 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {"fedaval": [], "pfl": []}
     for repeat in range(args.repeats):
         for side in ("fedaval", "pfl") if repeat % 2 == 0 else ("pfl", "fedaval"):
-            done = subprocess.run(
-                [sys.executable, "-c", CHILD, side, str(args.rounds), str(HERE)],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode or not lines:
-                raise SystemExit(f"the {side} run failed:\n{done.stderr[-2000:]}")
-            results[side].append(json.loads(lines[-1].removeprefix("RESULT ")))
+            results[side].append(child_result(CHILD, [side, str(args.rounds), str(HERE)], f"the {side} run"))
             print(side, {k: round(v, 2) for k, v in results[side][-1].items()}, flush=True)
     print(f"\ncross-device shape, {args.rounds} rounds, median seconds of {args.repeats} runs per side")
     labels = ["total", "build", "checkpoints", "local training", "client evaluation", "all evaluation"]
