@@ -60,13 +60,14 @@ def shared_objects(run: Run, extra: dict[str, Any] | None = None) -> dict[str, A
 class KeptStorages:
     """The tensor storages an in-memory pickle refers to instead of holding
     their bytes (:func:`dumps` with ``keep``): the storages themselves, so
-    keeping them copies nothing; a CUDA storage is kept as a CPU copy (an
+    keeping them copies nothing (with ``copy``, as a checkpoint keeps them:
+    a copy of each as it is now); a CUDA storage is kept as a CPU copy (an
     offloaded client frees its device memory) and goes back to its device
     when loaded, as pickling and unpickling it would.
 
-    A :class:`KeptStorages` pickles (into a checkpoint, say) as one bytes
-    object holding every storage's data, with each one's kind, dtype and
-    device, and unpickles to equal storages on their devices."""
+    A :class:`KeptStorages` pickles (into a checkpoint) as every storage's raw
+    bytes, with each one's kind, dtype and device, and unpickles to equal
+    storages on their devices."""
 
     def __init__(self, copy: bool = False) -> None:
         self.storages: list[Any] = []  # TypedStorage or UntypedStorage, on the CPU
