@@ -35,7 +35,6 @@ import torch, fedaval
 assert Path(fedaval.__file__).parent.parent == Path(sys.argv[3]), fedaval.__file__
 torch.set_num_threads(1)
 import overhead
-from cifar_data import cifar_subset
 from fedaval import checkpoint, hookimpl
 from fedaval.api import run_training
 from fedaval.build import build_run
@@ -43,11 +42,10 @@ from fedaval.build import build_run
 options = json.loads(sys.argv[1])
 parser = argparse.ArgumentParser()
 overhead.add_work_arguments(parser)
-work = parser.parse_args([])  # pfl_overhead.py's cross-device shape, one round
-work.clients, work.clients_per_round = options["clients"], min(50, options["clients"])
-work.tasks, work.rounds_per_task = 1, 1
-work.batch_size, work.alpha, work.device = 10, 1e6, "cpu"
-work.data_root = str(cifar_subset(options["clients"] * 50 // 10, 10))
+args = parser.parse_args([])  # pfl_overhead.py's cross-device shape, one round
+args.cd_clients, args.cd_images, args.cd_per_round = options["clients"], 50, min(50, options["clients"])
+args.cd_rounds, args.cd_batch, args.cd_test_per_class = 1, 10, 10
+work = overhead.shape_work(args, "cross-device")
 
 class Keep:
     @hookimpl

@@ -31,6 +31,7 @@ their ratio; ``--write`` puts the table in benchmarks/results/overhead.md.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import statistics
@@ -70,6 +71,34 @@ def run_config(args, out: Path):
         seed=args.seed,
         out=str(out),
     )
+
+
+CROSS_DEVICE_ALPHA = 1e6  # fcil-sync's Dirichlet shares all but equal: every client gets the same images per class
+
+
+def shape_work(args, shape: str) -> argparse.Namespace:
+    """The work options of one of ``pfl_overhead.py``'s shapes (``run_config``
+    and its ``time_pfl`` read them; ``checkpoint_cost.py`` and ``pfl_phases.py``
+    use the cross-device one), its data subset made."""
+    work = copy.copy(args)
+    work.device = "cpu"
+    if shape == "long-task":
+        work.tasks, work.rounds_per_task = 1, args.long_rounds
+    elif shape == "cross-device":
+        work.clients, work.clients_per_round, work.tasks = args.cd_clients, args.cd_per_round, 1
+        work.rounds_per_task, work.batch_size, work.alpha = args.cd_rounds, args.cd_batch, CROSS_DEVICE_ALPHA
+        if args.dataset == "imagefolder" and args.data_root is None:
+            total = args.cd_clients * args.cd_images
+            if total % 10 or total > 50_000:
+                raise SystemExit(f"--cd-clients x --cd-images = {total} must be a multiple of 10, at most 50000")
+            work.train_per_class, work.test_per_class = total // 10, args.cd_test_per_class
+    work.data_text = work.dataset
+    if args.dataset == "imagefolder" and args.data_root is None:
+        work.data_root = str(cifar_subset(work.train_per_class, work.test_per_class))
+        work.data_text = (
+            f"shared CIFAR-10, first {work.train_per_class} train / {work.test_per_class} test images per class"
+        )
+    return work
 
 
 # --- fedaval ----------------------------------------------------------------

@@ -136,8 +136,7 @@ import numpy as np  # noqa: E402
 import overhead  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from cifar_data import cifar_subset  # noqa: E402
-from overhead import accuracy, draw, max_difference, normalise, shuffled  # noqa: E402
+from overhead import accuracy, draw, max_difference, normalise, shape_work, shuffled  # noqa: E402
 from torch import nn  # noqa: E402
 
 try:
@@ -156,7 +155,6 @@ except ImportError as error:  # pragma: no cover - benchmark-only dependency
     raise SystemExit(f"pfl is not installed ({error}); pip install -e '.[pfl]' in its own environment") from error
 
 SHAPES = ("long-task", "short-tasks", "cross-device")
-CROSS_DEVICE_ALPHA = 1e6  # fcil-sync's Dirichlet shares all but equal: every client gets the same images per class
 
 
 # --- the pfl side -------------------------------------------------------------------
@@ -348,30 +346,6 @@ def time_pfl(work, exact: bool = False) -> tuple[float, dict[str, torch.Tensor]]
 
 
 # --- shapes, timing, report ---------------------------------------------------------
-def shape_work(args, shape: str) -> argparse.Namespace:
-    """The work options of one shape (``overhead.run_config`` and ``time_pfl``
-    read them), its data subset made."""
-    work = copy.copy(args)
-    work.device = "cpu"
-    if shape == "long-task":
-        work.tasks, work.rounds_per_task = 1, args.long_rounds
-    elif shape == "cross-device":
-        work.clients, work.clients_per_round, work.tasks = args.cd_clients, args.cd_per_round, 1
-        work.rounds_per_task, work.batch_size, work.alpha = args.cd_rounds, args.cd_batch, CROSS_DEVICE_ALPHA
-        if args.dataset == "imagefolder" and args.data_root is None:
-            total = args.cd_clients * args.cd_images
-            if total % 10 or total > 50_000:
-                raise SystemExit(f"--cd-clients x --cd-images = {total} must be a multiple of 10, at most 50000")
-            work.train_per_class, work.test_per_class = total // 10, args.cd_test_per_class
-    work.data_text = work.dataset
-    if args.dataset == "imagefolder" and args.data_root is None:
-        work.data_root = str(cifar_subset(work.train_per_class, work.test_per_class))
-        work.data_text = (
-            f"shared CIFAR-10, first {work.train_per_class} train / {work.test_per_class} test images per class"
-        )
-    return work
-
-
 def setting(work, shape: str) -> str:
     data = work.data_text
     sampled = f", {work.clients_per_round} sampled per round" if work.clients_per_round else ", all every round"

@@ -37,8 +37,8 @@ parser = argparse.ArgumentParser()
 overhead.add_work_arguments(parser)
 args = parser.parse_args([])
 args.cd_clients, args.cd_images, args.cd_per_round, args.cd_rounds = 1000, 50, 50, rounds
-args.cd_batch, args.cd_test_per_class, args.long_rounds = 10, 10, 15
-work = P.shape_work(args, "cross-device")
+args.cd_batch, args.cd_test_per_class = 10, 10
+work = overhead.shape_work(args, "cross-device")
 tmp = Path(tempfile.mkdtemp())
 warm = copy.copy(work)
 warm.rounds_per_task = 1

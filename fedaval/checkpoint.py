@@ -127,7 +127,8 @@ class Schedule:
 
 def snapshot(run: Run, results: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     """The checkpoint of round ``run.round`` as plain data: the run's objects
-    already pickled (bytes, with the run's references), and a shallow copy of
+    already pickled (bytes, with the run's references), a copy of their
+    tensors' storages (:class:`fedaval.state.KeptStorages`), and a shallow copy of
     ``results`` (its round and task records are never changed once added)."""
     objects = {
         "clients": run.clients,
