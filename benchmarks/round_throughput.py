@@ -85,6 +85,34 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class TorchProfile:
+    """``--profile``: the torch profiler over fedaval's training (CPU, and the
+    GPU's kernels on CUDA), in the ``enable``/``disable`` shape that
+    :func:`timed_rounds.timed_rounds` drives."""
+
+    def __init__(self, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.device = device
+        self.profile = profile(activities=activities)
+
+    def enable(self) -> None:
+        self.profile.start()
+
+    def disable(self) -> None:
+        self.profile.stop()
+
+    def print_tables(self, rows: int = 25) -> None:
+        averages = self.profile.key_averages()
+        print(f"torch profiler, all rounds, by self CPU time (top {rows}):")
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
+        if self.device.type == "cuda":
+            print(f"by self device time (top {rows}):")
+            print(averages.table(sort_by="self_device_time_total", row_limit=rows))
+        print(flush=True)
+
+
 def fedaval_rates(args, root: str, out: Path) -> tuple[float, float, int]:
     """Median samples per second of the timed rounds: over local training, over
     the round's wall time; and the samples trained per round."""
@@ -114,7 +142,22 @@ def fedaval_rates(args, root: str, out: Path) -> tuple[float, float, int]:
             out=str(out),
         )
     )
-    timed = timed_rounds(config)
+    if args.profile == "torch":
+        profile = TorchProfile(torch.device(args.device))
+    elif args.profile == "python":
+        import cProfile
+
+        profile = cProfile.Profile()
+    else:
+        profile = None
+    timed = timed_rounds(config, profile)
+    if isinstance(profile, TorchProfile):
+        profile.print_tables()
+    elif profile is not None:
+        import pstats
+
+        print("cProfile of all rounds, by own time:")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(30)
     samples = sum(sum(c) for c in timed.results["scenario"]["client_task_samples"])  # one task, everyone trains
     # rounds 2 .. last-1: the first pays for warm-up, the last evaluates
     middle = list(zip(timed.walls, timed.records))[1:-1]
@@ -138,6 +181,12 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--data-root", default=None, help="an image folder (default: the shared CIFAR-10 subset)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    parser.add_argument(
+        "--profile",
+        choices=["torch", "python"],
+        default=None,
+        help="print the torch profiler's tables (torch) or cProfile's (python) of fedaval's rounds (slows them)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 

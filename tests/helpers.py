@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 from fedaval import hookimpl
+
+# The device of the tests' tiny runs: the CPU, or FEDAVAL_TEST_DEVICE (e.g.
+# ``cuda``) to run the suite's runs on a GPU (docs/performance.md, "On a GPU"),
+# with deterministic algorithms there, since tests compare runs for equality.
+TEST_DEVICE = os.environ.get("FEDAVAL_TEST_DEVICE", "cpu")
 
 
 def strip_timing(obj):
@@ -32,7 +39,8 @@ def tiny_run_config(out, **overrides):
         lr=0.01,
         momentum=0.0,
         batch_size=32,
-        device="cpu",
+        device=TEST_DEVICE,
+        deterministic=TEST_DEVICE != "cpu",
         seed=0,
         out=str(out),
         checkpoint_every=1,  # resume tests stop and resume at chosen rounds; `auto` has its own tests

@@ -177,7 +177,7 @@ def test_deterministic_switches_torch_to_deterministic_algorithms(tiny_config, t
     try:
         build_run(tiny_config(deterministic=True, out=str(tmp_path / "a")))
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
-        build_run(tiny_config(out=str(tmp_path / "b")))
+        build_run(tiny_config(deterministic=False, out=str(tmp_path / "b")))
         assert not torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)

@@ -1,0 +1,227 @@
+"""What each way of keeping a GPU busy with small batches could give, in plain PyTorch loops.
+
+    python benchmarks/gpu_ceilings.py --device cuda          # ResNet-18 on the shared CIFAR-10 subset
+    python benchmarks/gpu_ceilings.py --device cpu --model cnn --steps 20 --processes 2
+
+The GPU issue's item 3 asks fedaval's round (10 clients at batch 32) to reach
+half of what the GPU does at batch 320. Before building a technique into
+fedaval, this measures what each could reach at best: plain training loops
+of the same model, same SGD, on the same images already on the device, no
+framework. Samples per second over ``--steps`` timed steps after warm-up
+steps (cuDNN autotuning, the allocator), each against the batch-320 loop:
+
+* ``batch 320``: the limit (the issue's reference), and in bf16 autocast;
+* ``batch 32``: one loop, what clients trained one after another reach at best;
+* ``batch 32, bf16``: ``torch.autocast(dtype=torch.bfloat16)`` around forward and loss;
+* ``batch 32, channels-last``: model and inputs in ``torch.channels_last``;
+* ``batch 32, CUDA graph``: the whole step (forward, backward, SGD step)
+  captured once and replayed (``torch.cuda.graph``; the GPU only);
+* ``batch 32 x K processes``: K processes training their own model at once
+  on the one device (``--processes``), total samples over the wall time from
+  a common start to the last one's end.
+
+Not a test: nothing is asserted. Each line prints as it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Loop:
+    """One model, its SGD and the training images on ``device``."""
+
+    def __init__(self, root: str, model_name: str, device: torch.device, seed: int = 0, channels_last: bool = False):
+        from fedaval.datasets import load_dataset
+        from fedaval.models import build_model
+
+        data = load_dataset("imagefolder", root, False)
+        torch.manual_seed(seed)
+        self.device = device
+        self.model = build_model(model_name, data.input_shape, data.num_classes).to(device)
+        self.format = torch.channels_last if channels_last else torch.contiguous_format
+        self.model = self.model.to(memory_format=self.format)
+        self.model.train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        mean = torch.tensor(data.mean, device=device).view(1, -1, 1, 1)
+        std = torch.tensor(data.std, device=device).view(1, -1, 1, 1)
+        images = data.train_x.to(device)
+        scale = 255.0 if images.dtype == torch.uint8 else 1.0
+        self.images = ((images.float() / scale - mean) / std).contiguous(memory_format=self.format)
+        self.labels = data.train_y.to(device)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def batches(self, batch: int, steps: int):
+        """``steps`` random minibatches of ``batch`` images (indexing on the device)."""
+        n = len(self.labels)
+        for _ in range(steps):
+            index = torch.randint(n, (batch,), device=self.device, generator=self.generator)
+            yield self.images[index], self.labels[index]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, bf16: bool = False) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+
+    def rate(self, batch: int, steps: int, warmup: int, bf16: bool = False) -> float:
+        """Samples per second of eager steps."""
+        for x, y in self.batches(batch, warmup):
+            self.step(x, y, bf16)
+        sync(self.device)
+        start = time.perf_counter()
+        for x, y in self.batches(batch, steps):
+            self.step(x, y, bf16)
+        sync(self.device)
+        return batch * steps / (time.perf_counter() - start)
+
+    def graph_rate(self, batch: int, steps: int, warmup: int) -> float:
+        """Samples per second of a captured whole step, replayed (the pattern of
+        PyTorch's CUDA semantics notes: warm-up on a side stream, then capture
+        with the gradients set to None, then copy each batch into the static
+        inputs and replay)."""
+        static_x = self.images[:batch].clone()
+        static_y = self.labels[:batch].clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(max(warmup, 3)):
+                self.step(static_x, static_y)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            loss = self.loss_fn(self.model(static_x), static_y)
+            loss.backward()
+            self.optimizer.step()
+        for x, y in self.batches(batch, warmup):
+            static_x.copy_(x)
+            static_y.copy_(y)
+            graph.replay()
+        sync(self.device)
+        start = time.perf_counter()
+        for x, y in self.batches(batch, steps):
+            static_x.copy_(x)
+            static_y.copy_(y)
+            graph.replay()
+        sync(self.device)
+        return batch * steps / (time.perf_counter() - start)
+
+
+def one_process(rank: int, args, barrier, results) -> None:
+    """A child of the K-process measurement: its own model, trained at
+    ``--batch`` from a common start (the barrier)."""
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    loop = Loop(args.root, args.model, device, seed=rank)
+    for x, y in loop.batches(args.batch, args.warmup):
+        loop.step(x, y)
+    sync(device)
+    barrier.wait()
+    start = time.monotonic()
+    for x, y in loop.batches(args.batch, args.steps):
+        loop.step(x, y)
+    sync(device)
+    results.put((rank, start, time.monotonic()))
+
+
+def processes_rate(args, k: int) -> float:
+    """Samples per second of ``k`` processes training at once."""
+    context = torch.multiprocessing.get_context("spawn")
+    barrier = context.Barrier(k)
+    results = context.Queue()
+    children = [context.Process(target=one_process, args=(rank, args, barrier, results)) for rank in range(k)]
+    for child in children:
+        child.start()
+    spans = [results.get(timeout=600) for _ in children]
+    for child in children:
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"a measuring process exited with {child.exitcode}")
+    start = min(s for _, s, _ in spans)
+    end = max(e for _, _, e in spans)
+    return k * args.batch * args.steps / (end - start)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--batch", type=int, default=32, help="a client's batch")
+    parser.add_argument("--limit-batch", type=int, default=320)
+    parser.add_argument("--steps", type=int, default=100, help="timed steps of each loop")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--processes", default="2,4,10", help="K of the K-process lines (comma-separated)")
+    parser.add_argument("--train-per-class", type=int, default=500)
+    parser.add_argument("--data-root", default=None, help="an image folder (default: the shared CIFAR-10 subset)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.data_root is None:
+        from cifar_data import cifar_subset
+
+        args.data_root = str(cifar_subset(args.train_per_class, 10))
+    args.root = args.data_root
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
+    print(
+        f"device: {device} ({name}); {args.model}; {args.steps} timed steps after {args.warmup}; "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
+
+    loop = Loop(args.root, args.model, device)
+    limit = loop.rate(args.limit_batch, max(args.steps // 5, 5), args.warmup)
+
+    def line(label: str, rate: float) -> None:
+        print(f"{label:<32} {rate:>10,.0f} samples/s   {rate / limit:6.3f} x the limit", flush=True)
+
+    line(f"batch {args.limit_batch} (the limit)", limit)
+    line(
+        f"batch {args.limit_batch}, bf16",
+        Loop(args.root, args.model, device).rate(args.limit_batch, max(args.steps // 5, 5), args.warmup, bf16=True),
+    )
+    line(f"batch {args.batch}", Loop(args.root, args.model, device).rate(args.batch, args.steps, args.warmup))
+    line(
+        f"batch {args.batch}, bf16",
+        Loop(args.root, args.model, device).rate(args.batch, args.steps, args.warmup, bf16=True),
+    )
+    line(
+        f"batch {args.batch}, channels-last",
+        Loop(args.root, args.model, device, channels_last=True).rate(args.batch, args.steps, args.warmup),
+    )
+    if device.type == "cuda":
+        line(
+            f"batch {args.batch}, CUDA graph",
+            Loop(args.root, args.model, device).graph_rate(args.batch, args.steps, args.warmup),
+        )
+    del loop
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    for k in [int(k) for k in args.processes.split(",") if k]:
+        line(f"batch {args.batch} x {k} processes", processes_rate(args, k))
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

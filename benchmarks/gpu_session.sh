@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# gpu_session.sh: the GPU issue's items 1 to 3 in one command on a lent GPU machine.
+#
+# Prepared on the CPU machine, from the root of the checkout:
+#     bash ../shared/device/wheels.sh                      # .device/: wheels, setup.sh, the tests' images
+#     benchmarks/gpu_session.sh --prepare                  # .device/extra/: pytest-xdist, the benchmarks' images
+# Run on the GPU machine (the device tool, carry .device):
+#     bash .device/setup.sh && bash benchmarks/gpu_session.sh
+#
+# Everything lands in $OUT (the device tool brings it back): session.log with
+# each step's time and exit status, one file per step.
+#   phase A, correctness, side by side (no timing in it):
+#     tests-cpu.txt   the suite as CI runs it (all but Ray), pytest-xdist workers
+#     tests-cuda.txt  the suite with its runs on the GPU (FEDAVAL_TEST_DEVICE=cuda, deterministic algorithms)
+#     identity.txt    benchmarks/cuda_identity.py: same results twice, checkpoints resumed, on cuda
+#   phase B, timings, one at a time:
+#     overhead-*.txt  benchmarks/overhead.py --device cuda: CNN and ResNet-18 (item 2)
+#     throughput.txt  benchmarks/round_throughput.py --device cuda (item 3: ratio to the batch-320 limit)
+#     ceilings.txt    benchmarks/gpu_ceilings.py --device cuda (item 3: what each technique could reach)
+#     profile.txt     the torch profiler's tables of fedaval's rounds in round_throughput's setting
+#     cprofile.txt    cProfile's table of the same rounds (Python's own time per function)
+#   results/        benchmarks/results/overhead.md as --write left it
+# Each step has a time limit (seconds, below); a step that fails or runs out
+# does not stop the next one.
+set -u
+
+if [ "${1:-}" = "--prepare" ]; then
+    # On the CPU machine: the wheels the GPU machine lacks for this script, and
+    # the CIFAR-10 images the benchmarks read (first 500 training and 100 test
+    # images of each class, in benchmarks/cifar_data.py's order), 2 MB.
+    set -e
+    mkdir -p .device/extra
+    pip download --no-deps -q -d .device/extra pytest-xdist==3.8.0 execnet==2.1.2
+    python3 - <<'EOF'
+import subprocess, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from cifar_data import cifar_full
+full = cifar_full()
+names = [
+    str(f.relative_to(full))
+    for split, n in (("train", 500), ("test", 100))
+    for cls in sorted(p.name for p in (full / split).iterdir())
+    for f in sorted((full / split / cls).iterdir())[:n]
+]
+Path(".device/extra/cifar-bench.txt").write_text("\n".join(names) + "\n")
+subprocess.run(["tar", "czf", str(Path(".device/extra/cifar-bench.tar.gz").resolve()), "-C", str(full),
+                "-T", str(Path(".device/extra/cifar-bench.txt").resolve())], check=True)
+print(f"{len(names)} images in .device/extra/cifar-bench.tar.gz")
+EOF
+    exit 0
+fi
+
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+T0=$(date +%s)
+log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/session.log"; }
+step() {  # step SECONDS FILE COMMAND...: run with a time limit, output to $OUT/FILE
+    local limit=$1 file=$2
+    shift 2
+    local began=$(date +%s)
+    timeout -k 5 "$limit" "$@" >"$OUT/$file" 2>&1
+    log "$file: exit $? after $(($(date +%s) - began)) s (limit $limit): $*"
+}
+
+log "start on $(hostname), $(nproc) cores"
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+python3 -m pip install -q --no-index --find-links .device/extra pytest-xdist >>"$OUT/session.log" 2>&1
+if [ ! -d /tmp/cifar10-full/test/truck ]; then  # what benchmarks/cifar_data.py would extract from ../shared
+    mkdir -p /tmp/cifar10-full && tar xzf .device/extra/cifar-bench.tar.gz -C /tmp/cifar10-full
+fi
+python3 -c 'import torch, avalanche, fedaval; print("torch", torch.__version__, "cuda", torch.version.cuda,
+    torch.cuda.get_device_name(0))' >>"$OUT/session.log" 2>&1
+export PYTHONWARNINGS=ignore
+
+# phase A: correctness, three jobs side by side
+step "${TESTS_S:-200}" tests-cpu.txt env OMP_NUM_THREADS=2 python3 -m pytest -q -rfE -n 6 -k 'not ray' -p no:cacheprovider &
+step "${TESTS_S:-200}" tests-cuda.txt env OMP_NUM_THREADS=2 CUBLAS_WORKSPACE_CONFIG=:4096:8 FEDAVAL_TEST_DEVICE=cuda \
+    python3 -m pytest -q -rfE -n 6 -k 'not ray' -p no:cacheprovider &
+step "${IDENTITY_S:-200}" identity.txt env OMP_NUM_THREADS=2 python3 benchmarks/cuda_identity.py --nondeterministic &
+wait
+log "phase A done"
+
+# phase B: timings, one at a time, in the order of the issue's items
+step "${OVERHEAD_S:-75}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --write
+step "${OVERHEAD_S:-75}" overhead-resnet18.txt \
+    python3 benchmarks/overhead.py --device cuda --model resnet18 --repeats 3 --write
+mkdir -p "$OUT/results" && cp benchmarks/results/overhead.md "$OUT/results/"
+step "${THROUGHPUT_S:-50}" throughput.txt python3 benchmarks/round_throughput.py --device cuda
+step "${CEILINGS_S:-70}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda
+step "${PROFILE_S:-30}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile torch
+step "${PROFILE_S:-30}" cprofile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile python
+log "done"
