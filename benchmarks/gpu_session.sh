@@ -87,7 +87,7 @@ step "${OVERHEAD_S:-75}" overhead-resnet18.txt \
     python3 benchmarks/overhead.py --device cuda --model resnet18 --repeats 3 --write
 mkdir -p "$OUT/results" && cp benchmarks/results/overhead.md "$OUT/results/"
 step "${THROUGHPUT_S:-50}" throughput.txt python3 benchmarks/round_throughput.py --device cuda
-step "${CEILINGS_S:-70}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda
-step "${PROFILE_S:-30}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile torch
-step "${PROFILE_S:-30}" cprofile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile python
+step "${CEILINGS_S:-100}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda
+step "${PROFILE_S:-25}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile torch
+step "${PROFILE_S:-25}" cprofile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile python
 log "done"
