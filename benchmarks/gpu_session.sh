@@ -3,15 +3,15 @@
 #
 # Prepared on the CPU machine, from the root of the checkout:
 #     bash ../shared/device/wheels.sh                      # .device/: wheels, setup.sh, the tests' images
-#     benchmarks/gpu_session.sh --prepare                  # .device/extra/: pytest-xdist, the benchmarks' images
+#     benchmarks/gpu_session.sh --prepare                  # .device/extra/: pytest-xdist, the privacy extra, the benchmarks' images
 # Run on the GPU machine (the device tool, carry .device):
 #     bash .device/setup.sh && bash benchmarks/gpu_session.sh
 #
-# Everything lands in $OUT (the device tool brings it back): session.log with
-# each step's time and exit status, one file per step.
+# Everything lands in $OUT/session.tgz (the device tool brings it back):
+# session.log with each step's time and exit status, one file per step.
 #   phase A, correctness, side by side (no timing in it):
-#     tests-cpu.txt   the suite as CI runs it (all but Ray), pytest-xdist workers
-#     tests-cuda.txt  the suite with its runs on the GPU (FEDAVAL_TEST_DEVICE=cuda, deterministic algorithms)
+#     tests-cuda.txt  the suite (all but Ray) with its runs on the GPU (FEDAVAL_TEST_DEVICE=cuda,
+#                     deterministic algorithms), pytest-xdist workers
 #     identity.txt    benchmarks/cuda_identity.py: same results twice, checkpoints resumed, on cuda
 #   phase B, timings, one at a time:
 #     overhead-*.txt  benchmarks/overhead.py --device cuda: CNN and ResNet-18 (item 2)
@@ -19,7 +19,7 @@
 #     ceilings.txt    benchmarks/gpu_ceilings.py --device cuda (item 3: what each technique could reach)
 #     profile.txt     the torch profiler's tables of fedaval's rounds in round_throughput's setting
 #     cprofile.txt    cProfile's table of the same rounds (Python's own time per function)
-#   results/        benchmarks/results/overhead.md as --write left it
+#     overhead.md     benchmarks/results/overhead.md as --write left it
 # Each step has a time limit (seconds, below); a step that fails or runs out
 # does not stop the next one.
 set -u
@@ -30,7 +30,11 @@ if [ "${1:-}" = "--prepare" ]; then
     # images of each class, in benchmarks/cifar_data.py's order), 2 MB.
     set -e
     mkdir -p .device/extra
-    pip download --no-deps -q -d .device/extra pytest-xdist==3.8.0 execnet==2.1.2
+    # pytest-xdist for the suite's workers; the privacy extra's packages (its tests need them), with
+    # --no-deps: the GPU machine has their other needs (torch, numpy, scipy, pyyaml, packaging, tqdm)
+    pip download --no-deps -q -d .device/extra pytest-xdist==3.8.0 execnet==2.1.2 opacus==1.6.0 opt-einsum==3.4.0 \
+        breaching==0.1.2 hydra-core==1.3.8 omegaconf==2.3.1 lpips==0.1.4
+    pip wheel --no-deps -q -w .device/extra antlr4-python3-runtime==4.9.3  # an sdist only: built here, pure Python
     python3 - <<'EOF'
 import subprocess, sys
 from pathlib import Path
@@ -52,31 +56,37 @@ EOF
 fi
 
 OUT=${OUT:-/tmp/gpu-session}
-mkdir -p "$OUT"
+# The device tool brings back only a few files from $OUT: every step writes into
+# WORK, and after each step WORK is packed into $OUT/session.tgz (a step cut
+# short by the command's time limit leaves the ones before it packed).
+WORK=${WORK:-/tmp/gpu-session-work}
+mkdir -p "$OUT" "$WORK"
 T0=$(date +%s)
-log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/session.log"; }
-step() {  # step SECONDS FILE COMMAND...: run with a time limit, output to $OUT/FILE
+log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$WORK/session.log"; }
+pack() { tar czf "$OUT/session.tgz.tmp" -C "$WORK" . && mv "$OUT/session.tgz.tmp" "$OUT/session.tgz"; }
+step() {  # step SECONDS FILE COMMAND...: run with a time limit, output to $WORK/FILE
     local limit=$1 file=$2
     shift 2
     local began=$(date +%s)
-    timeout -k 5 "$limit" "$@" >"$OUT/$file" 2>&1
+    timeout -k 5 "$limit" "$@" >"$WORK/$file" 2>&1
     log "$file: exit $? after $(($(date +%s) - began)) s (limit $limit): $*"
+    pack
 }
 
 log "start on $(hostname), $(nproc) cores"
-nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
-python3 -m pip install -q --no-index --find-links .device/extra pytest-xdist >>"$OUT/session.log" 2>&1
+nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1
+python3 -m pip install -q --no-index --no-deps --find-links .device/extra .device/extra/*.whl >>"$WORK/session.log" 2>&1
 if [ ! -d /tmp/cifar10-full/test/truck ]; then  # what benchmarks/cifar_data.py would extract from ../shared
     mkdir -p /tmp/cifar10-full && tar xzf .device/extra/cifar-bench.tar.gz -C /tmp/cifar10-full
 fi
 python3 -c 'import torch, avalanche, fedaval; print("torch", torch.__version__, "cuda", torch.version.cuda,
-    torch.cuda.get_device_name(0))' >>"$OUT/session.log" 2>&1
+    torch.cuda.get_device_name(0))' >>"$WORK/session.log" 2>&1
 export PYTHONWARNINGS=ignore
 
-# phase A: correctness, three jobs side by side
-step "${TESTS_S:-200}" tests-cpu.txt env OMP_NUM_THREADS=2 python3 -m pytest -q -rfE -n 6 -k 'not ray' -p no:cacheprovider &
-step "${TESTS_S:-200}" tests-cuda.txt env OMP_NUM_THREADS=2 CUBLAS_WORKSPACE_CONFIG=:4096:8 FEDAVAL_TEST_DEVICE=cuda \
-    python3 -m pytest -q -rfE -n 6 -k 'not ray' -p no:cacheprovider &
+# phase A: correctness, side by side. The suite with its runs on the GPU (its
+# CPU runs are what CI checks); on 16 cores with 14 workers it took 145 s.
+step "${TESTS_S:-200}" tests-cuda.txt env OMP_NUM_THREADS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 FEDAVAL_TEST_DEVICE=cuda \
+    python3 -m pytest -q -rfE -n "${WORKERS:-13}" -k 'not ray' -p no:cacheprovider &
 step "${IDENTITY_S:-200}" identity.txt env OMP_NUM_THREADS=2 python3 benchmarks/cuda_identity.py --nondeterministic &
 wait
 log "phase A done"
@@ -85,9 +95,10 @@ log "phase A done"
 step "${OVERHEAD_S:-75}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --write
 step "${OVERHEAD_S:-75}" overhead-resnet18.txt \
     python3 benchmarks/overhead.py --device cuda --model resnet18 --repeats 3 --write
-mkdir -p "$OUT/results" && cp benchmarks/results/overhead.md "$OUT/results/"
+cp benchmarks/results/overhead.md "$WORK/" && pack
 step "${THROUGHPUT_S:-50}" throughput.txt python3 benchmarks/round_throughput.py --device cuda
 step "${CEILINGS_S:-100}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda
-step "${PROFILE_S:-25}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile torch
-step "${PROFILE_S:-25}" cprofile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile python
+step "${PROFILE_S:-40}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile torch
+step "${PROFILE_S:-40}" cprofile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile python
 log "done"
+pack

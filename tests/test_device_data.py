@@ -106,7 +106,7 @@ def test_evaluation_batches_and_random_streams_match_the_loader_path(tiny_config
     got = list(eval_batches(run, data, 5))
     assert len(got) == len(expected) > 2 and len(got[-1][1]) == len(expected[-1][1])
     for (x, y, t), (ex, ey, et) in zip(got, expected):
-        assert torch.equal(x, ex) and torch.equal(y, ey) and torch.equal(t, et)
+        assert torch.equal(x.cpu(), ex) and torch.equal(y.cpu(), ey) and torch.equal(t.cpu(), et)
 
 
 def test_evaluation_does_not_move_a_model_already_on_the_device(tiny_config, monkeypatch):

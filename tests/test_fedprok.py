@@ -242,7 +242,7 @@ class FrozenSpace:
     @hookimpl
     def fedaval_teardown(self, run):
         def gaps(stored, means):
-            return {c: float((stored[c].cpu() - m).norm() / m.norm()) for c, m in means.items() if c in stored}
+            return {c: float((stored[c].cpu() - m.cpu()).norm() / m.norm()) for c, m in means.items() if c in stored}
 
         federation = self.means(run, [i for c in run.partition.clients for i in c.indices])
         if self.fusion:

@@ -122,18 +122,23 @@ class Probe:
 
     @hookimpl(wrapper=True)
     def fedaval_client_loss(self, run, client, batch):
-        state = torch.get_rng_state()
+        from fedaval.client import rng_state, set_rng_state
+
+        state = rng_state(run.device)  # the draw comes from the stream of the features' device
         results = yield
         term = next((r["fedspace_pseudo_ce"] for r in results if r and "fedspace_pseudo_ce" in r), None)
         if term is not None and len(self.draws) < 3:  # replay the draw from the state it started at
             bank = client.stash[BANK]
             old = [c for c in sorted(bank) if c not in client.tasks.classes[client.task]]
-            outside = torch.get_rng_state()
-            torch.set_rng_state(state)
+            outside = rng_state(run.device)
+            set_rng_state(state, run.device)
             pseudo, labels = pseudo_features(
-                torch.stack([bank[c][0] for c in old]), torch.stack([bank[c][1] for c in old]), old, len(batch.y)
+                torch.stack([bank[c][0] for c in old]).to(batch.features),
+                torch.stack([bank[c][1] for c in old]).to(batch.features),
+                old,
+                len(batch.y),
             )
-            torch.set_rng_state(outside)
+            set_rng_state(outside, run.device)
             expected = pseudo_feature_loss(client.model.classifier(pseudo), labels)
             self.draws.append((client.id, term.item(), expected.item()))
         return results

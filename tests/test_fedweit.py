@@ -119,8 +119,8 @@ def test_knowledge_base_of_other_clients_reaches_each_client_at_its_new_task(fed
     task0 = {cid: entry for cid, task, entry in fedweit.kb if task == 0}
     for k, other in ((0, 1), (1, 0)):
         used, kb0, alpha, _ = probe.kb_in_model[(k, 3)]
-        assert used == 1 and torch.allclose(alpha[:1], torch.ones(1))
-        assert torch.equal(kb0, to_dense(task0[other][name], kb0.shape))  # the other client's, not its own
+        assert used == 1 and torch.allclose(alpha[:1].cpu(), torch.ones(1))
+        assert torch.equal(kb0.cpu(), to_dense(task0[other][name], kb0.shape).cpu())  # the other client's, not its own
         assert kb0.abs().sum() > 0
         assert probe.kb_in_model[(k, 1)][0] == 0
 

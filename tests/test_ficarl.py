@@ -193,7 +193,7 @@ def test_memory_is_herded_constant_and_split_over_seen_classes(ficarl_run):
         features, labels = extract_features(model, make_dataset(run.data, "train", idx), run.device)
         for c in client.tasks.classes[task]:
             rows = (labels == c).nonzero().flatten()
-            assert memory[c].tolist() == idx[rows[herding_order(features[rows], quotas[c])].numpy()].tolist()
+            assert memory[c].tolist() == idx[rows[herding_order(features[rows], quotas[c])].cpu().numpy()].tolist()
         # old classes keep the first of their earlier exemplars
         if task:
             before = probe.memory[(k, task - 1)]

@@ -184,7 +184,7 @@ def test_pretrained_efficientnet_backbone_on_cifar10(tiny_config, cifar10_root):
     net = cache.backbone.net
     # real ImageNet weights, frozen and shared by every model of the run
     packaged = torch.load(efficientnet_lite0_weights(), map_location="cpu", weights_only=True)
-    assert torch.equal(net._conv_stem.weight, packaged["_conv_stem.weight"])
+    assert torch.equal(net._conv_stem.weight.cpu(), packaged["_conv_stem.weight"])
     assert run.server.model.features is cache
     assert run.clients[0].shared_keys == ["classifier.weight", "classifier.bias"]
     before = {k: v.clone() for k, v in net.state_dict().items()}

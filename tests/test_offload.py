@@ -119,10 +119,15 @@ def test_offloading_to_memory_keeps_the_tensors_storages_instead_of_copying_them
     stored = client.offload()
     blob, kept = client._offloaded
     assert isinstance(kept, KeptStorages) and stored == len(blob) + kept.nbytes == client.stored_nbytes
-    assert pointer in {s._untyped_storage.data_ptr() for s in kept.storages}
-    assert values.numpy().tobytes() not in blob  # the weights are not in the pickle
+    assert values.cpu().numpy().tobytes() not in blob  # the weights are not in the pickle
+    assert all(s.device.type == "cpu" for s in kept.storages)  # a GPU's storages wait in host memory
+    if weight.device.type == "cpu":  # on the CPU, kept as they are and used again
+        assert pointer in {s._untyped_storage.data_ptr() for s in kept.storages}
+    else:  # on a GPU, copied to the host (the device memory is freed) and back to the device when loaded
+        assert f"{weight.device.type}:{weight.device.index or 0}" in kept.devices
     loaded = client.model.classifier.weight
-    assert loaded is not weight and loaded.untyped_storage().data_ptr() == pointer
+    assert loaded is not weight and loaded.device == weight.device
+    assert (loaded.untyped_storage().data_ptr() == pointer) == (weight.device.type == "cpu")
     assert torch.equal(loaded, values) and loaded.grad is None
 
 
