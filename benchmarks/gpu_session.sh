@@ -92,7 +92,7 @@ wait
 log "phase A done"
 
 # phase B: timings, one at a time, in the order of the items
-step "${OVERHEAD_S:-75}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --write
+step "${OVERHEAD_S:-75}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --write --profile
 step "${OVERHEAD_S:-75}" overhead-resnet18.txt \
     python3 benchmarks/overhead.py --device cuda --model resnet18 --repeats 3 --write
 cp benchmarks/results/overhead.md "$WORK/" && pack

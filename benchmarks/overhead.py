@@ -275,6 +275,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/overhead.md")
+    parser.add_argument(
+        "--profile", action="store_true", help="then one more fedaval run under cProfile: its top functions by own time"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     resolve_data_root(args)
@@ -292,6 +295,16 @@ def main(argv=None) -> int:
                     seconds, plain_state = time_plain(args)
                 times[side].append(seconds)
             difference = max(difference, max_difference(fedaval_state, plain_state))
+        if args.profile:  # where fedaval's side spends what the plain loop does not
+            import cProfile
+            import pstats
+
+            profile = cProfile.Profile()
+            profile.enable()
+            time_fedaval(args, Path(tmp) / "profiled")
+            profile.disable()
+            print("cProfile of one more fedaval run, by own time:")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(30)
     fed, plain = statistics.median(times["fedaval"]), statistics.median(times["plain"])
     command = "python benchmarks/overhead.py" + (
         "" if not (argv or sys.argv[1:]) else " " + " ".join(argv or sys.argv[1:])
