@@ -165,15 +165,33 @@ def _fingerprint(root: Path) -> str:
     """A hash of every file under ``root``: relative path, size and
     modification time (nanoseconds). A folder's own modification time is not
     enough: it does not change when a file inside a sub-folder is added or
-    edited (Tiny-ImageNet's ``val/val_annotations.txt``). Listing 110,000
-    files takes about a second, against tens of seconds of decoding."""
+    edited (Tiny-ImageNet's ``val/val_annotations.txt``).
+
+    The files are visited in ``os.walk(root, followlinks=True)``'s order
+    (a folder's files by name, then its sub-folders by name; links followed),
+    so the hash, and every cache named by it, is the one ``os.walk`` with
+    ``os.path.relpath`` gave; :func:`os.scandir` and the relative path built as
+    it goes save about two thirds of that walk's Python work (50,000 files
+    of CIFAR-10: about 1.5 s less here)."""
     digest = hashlib.sha1()
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = os.path.join(dirpath, name)
-            st = os.stat(path)
-            digest.update(f"{os.path.relpath(path, root)}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+
+    def visit(folder: str, relative: str) -> None:
+        files: list[os.DirEntry[str]] = []
+        folders: list[os.DirEntry[str]] = []
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                try:
+                    is_dir = entry.is_dir()
+                except OSError:
+                    is_dir = False
+                (folders if is_dir else files).append(entry)
+        for entry in sorted(files, key=lambda e: e.name):
+            st = entry.stat()
+            digest.update(f"{relative}{entry.name}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+        for entry in sorted(folders, key=lambda e: e.name):
+            visit(entry.path, f"{relative}{entry.name}/")
+
+    visit(str(root), "")
     return digest.hexdigest()
 
 
@@ -203,14 +221,30 @@ def _decode(paths: list[str], size: tuple[int, int] | None) -> torch.Tensor:
     return out
 
 
-def _load_cached(kind: str, root: Path, build: Callable[[], dict]) -> dict:
+def _load_cached(
+    kind: str,
+    root: Path,
+    build: Callable[[], dict],
+    derived: tuple[tuple[str, ...], Callable[[dict], dict]] | None = None,
+) -> dict:
+    """The decoded tensors of ``root``: from the cache, or ``build()`` then
+    cached. ``derived = (keys, derive)``: ``derive(data)`` gives the entries
+    ``keys``, computed from the tensors (an image folder's normalisation),
+    stored in the cache too, and added to a cache written before they were
+    (which is then rewritten, once)."""
     path = _cache_path(kind, root)
+    data = None
     if path.exists():
         try:
-            return torch.load(path, weights_only=True)
+            data = torch.load(path, weights_only=True)
         except Exception:  # a torn or stale cache is rebuilt
-            pass
-    data = build()
+            data = None
+    if data is not None and (derived is None or all(key in data for key in derived[0])):
+        return data
+    if data is None:
+        data = build()
+    if derived is not None:
+        data.update(derived[1](data))
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as fh:
         torch.save(data, fh)
@@ -245,12 +279,30 @@ def _imagefolder(root: Path | None, download: bool) -> ImageData:
             result[split + "_y"] = torch.tensor(folder.targets, dtype=torch.int64)
         return result
 
-    data = _load_cached("imagefolder", root, build)
-    mean = tuple((data["train_x"].float().mean(dim=(0, 2, 3)) / 255).tolist())
-    std = tuple((data["train_x"].float().std(dim=(0, 2, 3)) / 255).tolist())
+    data = _load_cached("imagefolder", root, build, derived=(("mean", "std"), _channel_statistics))
     return ImageData(
-        "imagefolder", data["train_x"], data["train_y"], data["test_x"], data["test_y"], classes, mean, std
+        "imagefolder",
+        data["train_x"],
+        data["train_y"],
+        data["test_x"],
+        data["test_y"],
+        classes,
+        tuple(data["mean"]),
+        tuple(data["std"]),
     )
+
+
+def _channel_statistics(data: dict) -> dict:
+    """The training images' per-channel mean and standard deviation in [0, 1]
+    (the normalisation of an image folder), computed from the uint8 pixels in
+    float32 as they always were. Kept in the decoded cache: computing them
+    makes two float copies of the images (1.2 GB for CIFAR-10's 50,000), about
+    2 s at every load."""
+    pixels = data["train_x"].float()
+    return {
+        "mean": (pixels.mean(dim=(0, 2, 3)) / 255).tolist(),
+        "std": (pixels.std(dim=(0, 2, 3)) / 255).tolist(),
+    }
 
 
 def _tiny_imagenet(root: Path | None, download: bool) -> ImageData:

@@ -103,3 +103,60 @@ def test_decoding_gives_no_numpy_warning(tmp_path, cifar10_root, monkeypatch):
     shutil.copytree(cifar10_root, tmp_path / "c")
     load_dataset("imagefolder", tmp_path / "c")
     assert seen and all(seen), "torch.from_numpy got a read-only array"
+
+
+def test_cache_name_is_the_hash_of_os_walks_listing(tmp_path, cifar10_root):
+    """The fingerprint visits files as ``os.walk(followlinks=True)`` did, so
+    caches written before it was rewritten keep their names: files by name,
+    then sub-folders by name, links followed, paths relative to the root."""
+    import hashlib
+    import os
+
+    from fedaval.datasets import _fingerprint
+
+    root = tmp_path / "tree"
+    shutil.copytree(cifar10_root / "test" / "cat", root / "b")
+    (root / "a" / "z").mkdir(parents=True)
+    (root / "a" / "z" / "deep.txt").write_text("1")
+    (root / "a" / "y.txt").write_text("22")
+    (root / "top.txt").write_text("333")
+    (root / "linked").symlink_to(root / "a")  # a linked folder is walked
+    (root / "b" / "link.jpg").symlink_to(cifar10_root / "test" / "dog" / "0000.jpg")  # a linked file: its target's stat
+
+    digest = hashlib.sha1()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            st = os.stat(path)
+            digest.update(f"{os.path.relpath(path, root)}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    assert _fingerprint(root) == digest.hexdigest()
+    (root / "a" / "z" / "deep.txt").write_text("changed")
+    assert _fingerprint(root) != digest.hexdigest()
+
+
+def test_normalisation_is_computed_once_and_kept_in_the_cache(tmp_path, cifar10_root, monkeypatch):
+    """An image folder's per-channel mean and std are computed when the cache
+    is written, and read back with it (computing them copies the images twice
+    as floats); a cache written without them gets them once."""
+    from fedaval import datasets
+
+    root = tmp_path / "cifar"
+    shutil.copytree(cifar10_root, root)
+    first = load_dataset("imagefolder", root)
+    pixels = first.train_x.float()
+    assert first.mean == tuple((pixels.mean(dim=(0, 2, 3)) / 255).tolist())
+    assert first.std == tuple((pixels.std(dim=(0, 2, 3)) / 255).tolist())
+    calls = []
+    real = datasets._channel_statistics
+    monkeypatch.setattr(datasets, "_channel_statistics", lambda data: calls.append(1) or real(data))
+    again = load_dataset("imagefolder", root)
+    assert (again.mean, again.std) == (first.mean, first.std) and not calls
+    # a cache from before: the tensors only
+    path = datasets._cache_path("imagefolder", root)
+    old = torch.load(path, weights_only=True)
+    torch.save({k: v for k, v in old.items() if k not in ("mean", "std")}, path)
+    upgraded = load_dataset("imagefolder", root)
+    assert (upgraded.mean, upgraded.std) == (first.mean, first.std) and len(calls) == 1
+    assert "mean" in torch.load(path, weights_only=True)
+    assert load_dataset("imagefolder", root).mean == first.mean and len(calls) == 1

@@ -1,0 +1,97 @@
+"""What building a run costs before its first round: loading an image folder from its decoded cache, and
+building the cross-device run (1000 live clients) around it.
+
+    python benchmarks/build_cost.py                                   # this checkout
+    python benchmarks/build_cost.py --checkout /tmp/old --checkout .  # two checkouts, alternating
+
+Two timings per process, after one untimed build (the decoded cache exists,
+the files' metadata is in the page cache): ``load_dataset("imagefolder")``
+of the folder ``pfl_overhead.py``'s cross-device shape trains on (the shared
+CIFAR-10's 50,000 training and 10,000 test images), and
+``fedaval.build.build_run`` of that shape (1000 ``cnn`` clients of 50
+images, every client live; the load included). Each checkout runs in fresh
+interpreters with ``PYTHONPATH`` set to it (one torch thread), alternating,
+so that the ratios come from one invocation. Medians over ``--rounds``
+processes per checkout x ``--repeats`` timings each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+from checkpoint_cost import child_result
+
+HERE = Path(__file__).resolve().parent
+
+CHILD = r"""
+import argparse, json, sys, tempfile, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import torch, fedaval
+assert Path(fedaval.__file__).parent.parent == Path(sys.argv[3]), fedaval.__file__
+torch.set_num_threads(1)
+import overhead
+from fedaval.build import build_run
+from fedaval.datasets import load_dataset
+
+options = json.loads(sys.argv[1])
+parser = argparse.ArgumentParser()
+overhead.add_work_arguments(parser)
+args = parser.parse_args([])
+args.cd_clients, args.cd_images, args.cd_per_round = options["clients"], 50, min(50, options["clients"])
+args.cd_rounds, args.cd_batch, args.cd_test_per_class = 1, 10, 10
+work = overhead.shape_work(args, "cross-device")
+times = {"load": [], "build": []}
+with tempfile.TemporaryDirectory() as out:
+    config = overhead.run_config(work, Path(out) / "run")
+    build_run(config)  # untimed: the cache, the page cache, lazy imports
+    for _ in range(options["repeats"]):
+        start = time.perf_counter()
+        load_dataset(work.dataset, work.data_root, False)
+        times["load"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        build_run(config)
+        times["build"].append(time.perf_counter() - start)
+print("RESULT " + json.dumps({"times": times}))
+"""
+
+
+def measure(checkout: Path, clients: int, repeats: int) -> dict:
+    """One fresh interpreter on ``checkout``: its load and build seconds."""
+    options = json.dumps({"clients": clients, "repeats": repeats})
+    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
+    return child_result(CHILD, [options, str(HERE), str(checkout)], f"{checkout}", env=env, cwd=checkout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--checkout", action="append", type=Path, help="a fedaval checkout (repeatable; default: this one)"
+    )
+    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3, help="timings per process")
+    parser.add_argument("--rounds", type=int, default=2, help="processes per checkout, alternating")
+    args = parser.parse_args(argv)
+    checkouts = [c.resolve() for c in (args.checkout or [HERE.parent])]
+    results: dict[Path, list[dict]] = {c: [] for c in checkouts}
+    for repeat in range(args.rounds):
+        for checkout in checkouts if repeat % 2 == 0 else checkouts[::-1]:
+            result = measure(checkout, args.clients, args.repeats)
+            results[checkout].append(result)
+            print(f"{checkout}: " + json.dumps(result["times"]), flush=True)
+    print(f"\n{args.clients} live cnn clients; medians over {args.rounds} processes x {args.repeats} timings")
+    print("| checkout | load_dataset s | build_run s (load included) |")
+    print("|---|---|---|")
+    for checkout, runs in results.items():
+        load = statistics.median(t for r in runs for t in r["times"]["load"])
+        build = statistics.median(t for r in runs for t in r["times"]["build"])
+        print(f"| {checkout} | {load:.2f} | {build:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
