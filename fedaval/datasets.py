@@ -171,20 +171,23 @@ def _fingerprint(root: Path) -> str:
     (a folder's files by name, then its sub-folders by name; links followed),
     so the hash, and every cache named by it, is the one ``os.walk`` with
     ``os.path.relpath`` gave; :func:`os.scandir` and the relative path built as
-    it goes save about two thirds of that walk's Python work (50,000 files
-    of CIFAR-10: about 1.5 s less here)."""
+    it goes save that walk's ``os.path`` work per file (a folder that cannot
+    be listed is skipped, as ``os.walk`` skips it)."""
     digest = hashlib.sha1()
 
     def visit(folder: str, relative: str) -> None:
         files: list[os.DirEntry[str]] = []
         folders: list[os.DirEntry[str]] = []
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                try:
-                    is_dir = entry.is_dir()
-                except OSError:
-                    is_dir = False
-                (folders if is_dir else files).append(entry)
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    try:
+                        is_dir = entry.is_dir()
+                    except OSError:
+                        is_dir = False
+                    (folders if is_dir else files).append(entry)
+        except OSError:
+            return
         for entry in sorted(files, key=lambda e: e.name):
             st = entry.stat()
             digest.update(f"{relative}{entry.name}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
@@ -296,8 +299,8 @@ def _channel_statistics(data: dict) -> dict:
     """The training images' per-channel mean and standard deviation in [0, 1]
     (the normalisation of an image folder), computed from the uint8 pixels in
     float32 as they always were. Kept in the decoded cache: computing them
-    makes two float copies of the images (1.2 GB for CIFAR-10's 50,000), about
-    2 s at every load."""
+    makes two float copies of the images (1.2 GB for CIFAR-10's 50,000), at
+    every load until they were kept (docs/performance.md, "pfl")."""
     pixels = data["train_x"].float()
     return {
         "mean": (pixels.mean(dim=(0, 2, 3)) / 255).tolist(),
