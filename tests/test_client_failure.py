@@ -164,3 +164,30 @@ def test_cli_policies(tmp_path, monkeypatch):
         "fedaval: run stopped: client 0 failed in round 3: RuntimeError: GPU fell off the bus; "
         f"resume from round 2 with: fedaval train --resume {tmp_path / 'fail'}"
     ]
+
+
+def test_check_finite_names_the_first_bad_entry_and_reads_each_device_once(monkeypatch):
+    """Every tensor's answer is read back in one transfer per device (on a GPU
+    each read waits for the device), and the error still names the first
+    non-finite entry in the payload's order, tensor or number."""
+    from fedaval.payload import check_finite
+
+    good = {"weights": {f"layer{i}": torch.randn(3) for i in range(50)}, "count": 4, "scale": 0.5}
+    reads = []
+    for name in ("__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _real=real, _name=name: reads.append(_name) or _real(self, *a)
+        )
+    check_finite(good, "upload")
+    assert reads == ["tolist"]
+    bad = {
+        "a": [torch.ones(2), {"b": torch.tensor([1.0, float("nan")])}],
+        "c": float("inf"),
+        "d": torch.full((2,), float("inf")),
+    }
+    with pytest.raises(FloatingPointError, match=r"^upload\['a'\]\[1\]\['b'\] holds non-finite values$"):
+        check_finite(bad, "upload")
+    with pytest.raises(FloatingPointError, match=r"^upload\['c'\] holds inf$"):
+        check_finite({"c": float("inf"), "d": torch.full((2,), float("nan"))}, "upload")
+    check_finite({"n": torch.arange(3), "s": "text", "none": None}, "upload")  # integer tensors are not checked
