@@ -32,7 +32,7 @@ import torch
 torch.set_num_threads(1)
 import overhead, pfl_overhead as P
 
-side, rounds = sys.argv[1], int(sys.argv[2])
+side, rounds, pfl_memory = sys.argv[1], int(sys.argv[2]), sys.argv[4]
 parser = argparse.ArgumentParser()
 overhead.add_work_arguments(parser)
 args = parser.parse_args([])
@@ -42,7 +42,7 @@ work = overhead.shape_work(args, "cross-device")
 tmp = Path(tempfile.mkdtemp())
 warm = copy.copy(work)
 warm.rounds_per_task = 1
-P.time_side(side, warm, tmp, "warm-up", "release")
+P.time_side(side, warm, tmp, "warm-up", pfl_memory)
 seconds = {}
 
 def timed(owner, name, label):
@@ -69,7 +69,7 @@ else:
     timed(fedavg.FederatedAveraging, "train_one_user", "local training")
     timed(P, "evaluate_client", "client evaluation")
     timed(P.GlobalEvaluation, "after_central_iteration", "global evaluation")
-total, _ = P.time_side(side, work, tmp, "timed", "release")
+total, _ = P.time_side(side, work, tmp, "timed", pfl_memory)
 print("RESULT " + json.dumps({"total": total, **seconds}))
 """
 
@@ -78,13 +78,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating which goes first")
+    parser.add_argument(
+        "--pfl-host-memory",
+        default="release",
+        choices=("release", "keep"),
+        help="the pfl side's malloc policy, as in pfl_overhead.py (keep: the frameworks alone)",
+    )
     args = parser.parse_args(argv)
     results: dict[str, list[dict]] = {"fedaval": [], "pfl": []}
     for repeat in range(args.repeats):
         for side in ("fedaval", "pfl") if repeat % 2 == 0 else ("pfl", "fedaval"):
-            results[side].append(child_result(CHILD, [side, str(args.rounds), str(HERE)], f"the {side} run"))
+            results[side].append(
+                child_result(CHILD, [side, str(args.rounds), str(HERE), args.pfl_host_memory], f"the {side} run")
+            )
             print(side, {k: round(v, 2) for k, v in results[side][-1].items()}, flush=True)
-    print(f"\ncross-device shape, {args.rounds} rounds, median seconds of {args.repeats} runs per side")
+    print(
+        f"\ncross-device shape, {args.rounds} rounds, median seconds of {args.repeats} runs per side; "
+        f"pfl's host memory: {args.pfl_host_memory}"
+    )
     labels = ["total", "build", "checkpoints", "local training", "client evaluation", "all evaluation"]
     labels += ["global evaluation"]
     print("| side | " + " | ".join(labels) + " |")
