@@ -17,15 +17,9 @@ processes per checkout x ``--repeats`` timings each.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-from pathlib import Path
 
-from checkpoint_cost import child_result
-
-HERE = Path(__file__).resolve().parent
+from checkpoint_cost import alternating
 
 CHILD = r"""
 import argparse, json, sys, tempfile, time
@@ -60,29 +54,8 @@ print("RESULT " + json.dumps({"times": times}))
 """
 
 
-def measure(checkout: Path, clients: int, repeats: int) -> dict:
-    """One fresh interpreter on ``checkout``: its load and build seconds."""
-    options = json.dumps({"clients": clients, "repeats": repeats})
-    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
-    return child_result(CHILD, [options, str(HERE), str(checkout)], f"{checkout}", env=env, cwd=checkout)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--checkout", action="append", type=Path, help="a fedaval checkout (repeatable; default: this one)"
-    )
-    parser.add_argument("--clients", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=3, help="timings per process")
-    parser.add_argument("--rounds", type=int, default=2, help="processes per checkout, alternating")
-    args = parser.parse_args(argv)
-    checkouts = [c.resolve() for c in (args.checkout or [HERE.parent])]
-    results: dict[Path, list[dict]] = {c: [] for c in checkouts}
-    for repeat in range(args.rounds):
-        for checkout in checkouts if repeat % 2 == 0 else checkouts[::-1]:
-            result = measure(checkout, args.clients, args.repeats)
-            results[checkout].append(result)
-            print(f"{checkout}: " + json.dumps(result["times"]), flush=True)
+    args, results = alternating(CHILD, argv, "timings per process")
     print(f"\n{args.clients} live cnn clients; medians over {args.rounds} processes x {args.repeats} timings")
     print("| checkout | load_dataset s | build_run s (load included) |")
     print("|---|---|---|")

@@ -75,11 +75,37 @@ print("RESULT " + json.dumps({"times": times, "bytes": size}))
 """
 
 
-def measure(checkout: Path, clients: int, repeats: int) -> dict:
-    options = json.dumps({"clients": clients, "repeats": repeats})
+def in_checkout(code: str, checkout: Path, options: dict) -> dict:
+    """``code`` (a ``CHILD``: ``argv`` = options as JSON, this folder, the
+    checkout) in a fresh interpreter on ``checkout``'s fedaval."""
     env = dict(os.environ, PYTHONPATH=str(checkout))
     # cwd: ``-c`` puts the working directory first on sys.path
-    return child_result(CHILD, [options, str(HERE), str(checkout)], f"the run in {checkout}", cwd=checkout, env=env)
+    return child_result(
+        code, [json.dumps(options), str(HERE), str(checkout)], f"the run in {checkout}", cwd=checkout, env=env
+    )
+
+
+def alternating(code: str, argv: list[str] | None, repeats_help: str) -> tuple[argparse.Namespace, dict]:
+    """Parse ``--checkout``, ``--clients``, ``--repeats``, ``--rounds``; run
+    ``code`` ``--rounds`` times per checkout, alternating the checkouts'
+    order, printing each result's times; return the arguments and each
+    checkout's results."""
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.splitlines()[0])
+    parser.add_argument(
+        "--checkout", action="append", type=Path, help="a fedaval checkout (repeatable; default: this one)"
+    )
+    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3, help=repeats_help)
+    parser.add_argument("--rounds", type=int, default=2, help="processes per checkout, alternating")
+    args = parser.parse_args(argv)
+    checkouts = [c.resolve() for c in (args.checkout or [HERE.parent])]
+    results: dict[Path, list[dict]] = {c: [] for c in checkouts}
+    for repeat in range(args.rounds):
+        for checkout in checkouts if repeat % 2 == 0 else checkouts[::-1]:
+            result = in_checkout(code, checkout, {"clients": args.clients, "repeats": args.repeats})
+            results[checkout].append(result)
+            print(f"{checkout}: " + json.dumps(result["times"]), flush=True)
+    return args, results
 
 
 def child_result(code: str, args: list[str], what: str, **run_options) -> dict:
@@ -96,21 +122,7 @@ def child_result(code: str, args: list[str], what: str, **run_options) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--checkout", action="append", type=Path, help="a fedaval checkout (repeatable; default: this one)"
-    )
-    parser.add_argument("--clients", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=3, help="checkpoints per process")
-    parser.add_argument("--rounds", type=int, default=2, help="processes per checkout, alternating")
-    args = parser.parse_args(argv)
-    checkouts = [c.resolve() for c in (args.checkout or [HERE.parent])]
-    results: dict[Path, list[dict]] = {c: [] for c in checkouts}
-    for repeat in range(args.rounds):
-        for checkout in checkouts if repeat % 2 == 0 else checkouts[::-1]:
-            result = measure(checkout, args.clients, args.repeats)
-            results[checkout].append(result)
-            print(f"{checkout}: " + json.dumps(result["times"]), flush=True)
+    args, results = alternating(CHILD, argv, "checkpoints per process")
     print(f"\n{args.clients} live cnn clients; medians over {args.rounds} processes x {args.repeats} checkpoints")
     print("| checkout | snapshot (training waits) s | write (background) s | restore s | file MB |")
     print("|---|---|---|---|---|")
