@@ -19,26 +19,14 @@ from __future__ import annotations
 
 import statistics
 
-from checkpoint_cost import alternating
+from checkpoint_cost import PREAMBLE, alternating
 
-CHILD = r"""
-import argparse, json, sys, tempfile, time
-from pathlib import Path
-sys.path.insert(0, sys.argv[2])
-import torch, fedaval
-assert Path(fedaval.__file__).parent.parent == Path(sys.argv[3]), fedaval.__file__
-torch.set_num_threads(1)
-import overhead
+CHILD = (
+    PREAMBLE
+    + r"""
 from fedaval.build import build_run
 from fedaval.datasets import load_dataset
 
-options = json.loads(sys.argv[1])
-parser = argparse.ArgumentParser()
-overhead.add_work_arguments(parser)
-args = parser.parse_args([])
-args.cd_clients, args.cd_images, args.cd_per_round = options["clients"], 50, min(50, options["clients"])
-args.cd_rounds, args.cd_batch, args.cd_test_per_class = 1, 10, 10
-work = overhead.shape_work(args, "cross-device")
 times = {"load": [], "build": []}
 with tempfile.TemporaryDirectory() as out:
     config = overhead.run_config(work, Path(out) / "run")
@@ -52,6 +40,7 @@ with tempfile.TemporaryDirectory() as out:
         times["build"].append(time.perf_counter() - start)
 print("RESULT " + json.dumps({"times": times}))
 """
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-CHILD = r"""
+# What every child of :func:`in_checkout` starts with: the checkout's fedaval
+# (checked), one torch thread, and ``work``: pfl_overhead.py's cross-device
+# shape, one round, with ``options["clients"]`` clients.
+PREAMBLE = r"""
 import argparse, json, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
@@ -35,17 +38,22 @@ import torch, fedaval
 assert Path(fedaval.__file__).parent.parent == Path(sys.argv[3]), fedaval.__file__
 torch.set_num_threads(1)
 import overhead
-from fedaval import checkpoint, hookimpl
-from fedaval.api import run_training
-from fedaval.build import build_run
 
 options = json.loads(sys.argv[1])
 parser = argparse.ArgumentParser()
 overhead.add_work_arguments(parser)
-args = parser.parse_args([])  # pfl_overhead.py's cross-device shape, one round
+args = parser.parse_args([])
 args.cd_clients, args.cd_images, args.cd_per_round = options["clients"], 50, min(50, options["clients"])
 args.cd_rounds, args.cd_batch, args.cd_test_per_class = 1, 10, 10
 work = overhead.shape_work(args, "cross-device")
+"""
+
+CHILD = (
+    PREAMBLE
+    + r"""
+from fedaval import checkpoint, hookimpl
+from fedaval.api import run_training
+from fedaval.build import build_run
 
 class Keep:
     @hookimpl
@@ -73,6 +81,7 @@ with tempfile.TemporaryDirectory() as out:
     times["restore"].append(time.perf_counter() - start)
 print("RESULT " + json.dumps({"times": times, "bytes": size}))
 """
+)
 
 
 def in_checkout(code: str, checkout: Path, options: dict) -> dict:
