@@ -72,3 +72,62 @@ def test_round_throughput_benchmark_runs(cifar10_root):
     )
     assert "300 samples a round" in out  # the subset's 30 training images x 10 classes, every client training
     assert "ratio fedaval / limit:" in out and "(local training)" in out
+
+
+def test_round_throughput_profiles_fedavals_rounds(cifar10_root):
+    out = run(
+        "round_throughput.py",
+        "--model",
+        "cnn",
+        "--clients",
+        "2",
+        "--rounds",
+        "3",
+        "--data-root",
+        str(cifar10_root),
+        "--profile",
+        "python",
+    )
+    assert "cProfile of all rounds" in out and "Ordered by: internal time" in out and "ratio" not in out
+
+
+def test_cuda_identity_checks_pass_on_the_cpu(cifar10_root):
+    """The GPU's identity checks (same results twice, resumed checkpoints) on the CPU, one quick setting."""
+    out = run(
+        "cuda_identity.py",
+        "--device",
+        "cpu",
+        "--settings",
+        "gldp-sthfl",
+        "--rounds-per-task",
+        "2",
+        "--resume-rounds",
+        "3",
+        "--data-root",
+        str(cifar10_root),
+    )
+    assert "gldp-sthfl: twice with --deterministic: same" in out
+    assert "gldp-sthfl: resumed from round 3: same" in out and "all required checks passed" in out
+
+
+def test_gpu_ceilings_runs_on_the_cpu(cifar10_root):
+    out = run(
+        "gpu_ceilings.py",
+        "--device",
+        "cpu",
+        "--model",
+        "cnn",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--processes",
+        "2",
+        "--limit-batch",
+        "64",
+        "--data-root",
+        str(cifar10_root),
+    )
+    for line in ("batch 64 (the limit)", "batch 32, bf16", "batch 32, channels-last", "batch 32 x 2 processes"):
+        assert line in out
+    assert "CUDA graph" not in out  # the GPU only
