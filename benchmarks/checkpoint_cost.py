@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 # (checked), one torch thread, and ``work``: pfl_overhead.py's cross-device
 # shape, one round, with ``options["clients"]`` clients.
 PREAMBLE = r"""
-import argparse, json, sys, tempfile, time
+import json, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 import torch, fedaval
@@ -40,12 +40,7 @@ torch.set_num_threads(1)
 import overhead
 
 options = json.loads(sys.argv[1])
-parser = argparse.ArgumentParser()
-overhead.add_work_arguments(parser)
-args = parser.parse_args([])
-args.cd_clients, args.cd_images, args.cd_per_round = options["clients"], 50, min(50, options["clients"])
-args.cd_rounds, args.cd_batch, args.cd_test_per_class = 1, 10, 10
-work = overhead.shape_work(args, "cross-device")
+work = overhead.cross_device_work(options["clients"], 1)
 """
 
 CHILD = (

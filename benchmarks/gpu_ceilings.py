@@ -40,25 +40,20 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from round_throughput import sync  # noqa: E402 - this folder
 
 
 class Loop:
-    """One model, its SGD and the training images on ``device``."""
+    """One model, its SGD and ``data``'s training images on ``device``."""
 
-    def __init__(self, root: str, model_name: str, device: torch.device, seed: int = 0, channels_last: bool = False):
-        from fedaval.datasets import load_dataset
+    def __init__(self, data, model_name: str, device: torch.device, seed: int = 0, channels_last: bool = False):
         from fedaval.models import build_model
 
-        data = load_dataset("imagefolder", root, False)
         torch.manual_seed(seed)
         self.device = device
-        self.model = build_model(model_name, data.input_shape, data.num_classes).to(device)
         self.format = torch.channels_last if channels_last else torch.contiguous_format
-        self.model = self.model.to(memory_format=self.format)
+        model = build_model(model_name, data.input_shape, data.num_classes).to(device)
+        self.model = model.to(memory_format=self.format)
         self.model.train()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.loss_fn = torch.nn.CrossEntropyLoss()
@@ -77,23 +72,29 @@ class Loop:
             index = torch.randint(n, (batch,), device=self.device, generator=self.generator)
             yield self.images[index], self.labels[index]
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, bf16: bool = False) -> None:
+    def step(self, x: torch.Tensor, y: torch.Tensor, bf16: bool = False, model=None) -> None:
+        """One SGD step on ``(x, y)``, through ``model`` (default: the model itself)."""
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = self.loss_fn(self.model(x), y)
+            loss = self.loss_fn((model or self.model)(x), y)
         loss.backward()
         self.optimizer.step()
 
-    def rate(self, batch: int, steps: int, warmup: int, bf16: bool = False) -> float:
-        """Samples per second of eager steps."""
+    def timed(self, batch: int, steps: int, warmup: int, step) -> float:
+        """Samples per second of ``step(x, y)`` over ``steps`` minibatches,
+        after ``warmup`` untimed ones; the device synchronised around the timing."""
         for x, y in self.batches(batch, warmup):
-            self.step(x, y, bf16)
+            step(x, y)
         sync(self.device)
         start = time.perf_counter()
         for x, y in self.batches(batch, steps):
-            self.step(x, y, bf16)
+            step(x, y)
         sync(self.device)
         return batch * steps / (time.perf_counter() - start)
+
+    def rate(self, batch: int, steps: int, warmup: int, bf16: bool = False) -> float:
+        """Samples per second of eager steps."""
+        return self.timed(batch, steps, warmup, lambda x, y: self.step(x, y, bf16))
 
     def graph_rate(self, batch: int, steps: int, warmup: int) -> float:
         """Samples per second of a captured whole step, replayed (the pattern of
@@ -114,18 +115,13 @@ class Loop:
             loss = self.loss_fn(self.model(static_x), static_y)
             loss.backward()
             self.optimizer.step()
-        for x, y in self.batches(batch, warmup):
+
+        def replay(x: torch.Tensor, y: torch.Tensor) -> None:
             static_x.copy_(x)
             static_y.copy_(y)
             graph.replay()
-        sync(self.device)
-        start = time.perf_counter()
-        for x, y in self.batches(batch, steps):
-            static_x.copy_(x)
-            static_y.copy_(y)
-            graph.replay()
-        sync(self.device)
-        return batch * steps / (time.perf_counter() - start)
+
+        return self.timed(batch, steps, warmup, replay)
 
     def graphed_model_rate(self, batch: int, steps: int, warmup: int) -> float:
         """Samples per second with only the model's forward and backward
@@ -133,26 +129,17 @@ class Loop:
         step eager: where a graph could sit inside Avalanche's training loop,
         whose plugins add loss terms and run callbacks between those steps."""
         graphed = torch.cuda.make_graphed_callables(self.model, (self.images[:batch].clone(),))
-        for x, y in self.batches(batch, warmup):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.loss_fn(graphed(x), y).backward()
-            self.optimizer.step()
-        sync(self.device)
-        start = time.perf_counter()
-        for x, y in self.batches(batch, steps):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.loss_fn(graphed(x), y).backward()
-            self.optimizer.step()
-        sync(self.device)
-        return batch * steps / (time.perf_counter() - start)
+        return self.timed(batch, steps, warmup, lambda x, y: self.step(x, y, model=graphed))
 
 
 def one_process(rank: int, args, barrier, results) -> None:
     """A child of the K-process measurement: its own model, trained at
     ``--batch`` from a common start (the barrier)."""
+    from fedaval.datasets import load_dataset
+
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    loop = Loop(args.root, args.model, device, seed=rank)
+    loop = Loop(load_dataset("imagefolder", args.data_root, False), args.model, device, seed=rank)
     for x, y in loop.batches(args.batch, args.warmup):
         loop.step(x, y)
     sync(device)
@@ -200,7 +187,9 @@ def main(argv=None) -> int:
         from cifar_data import cifar_subset
 
         args.data_root = str(cifar_subset(args.train_per_class, 10))
-    args.root = args.data_root
+    from fedaval.datasets import load_dataset
+
+    data = load_dataset("imagefolder", args.data_root, False)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -211,7 +200,7 @@ def main(argv=None) -> int:
         flush=True,
     )
 
-    loop = Loop(args.root, args.model, device)
+    loop = Loop(data, args.model, device)
     limit = loop.rate(args.limit_batch, max(args.steps // 5, 5), args.warmup)
 
     def line(label: str, rate: float) -> None:
@@ -220,16 +209,16 @@ def main(argv=None) -> int:
     line(f"batch {args.limit_batch} (the limit)", limit)
     line(
         f"batch {args.limit_batch}, bf16",
-        Loop(args.root, args.model, device).rate(args.limit_batch, max(args.steps // 5, 5), args.warmup, bf16=True),
+        Loop(data, args.model, device).rate(args.limit_batch, max(args.steps // 5, 5), args.warmup, bf16=True),
     )
-    line(f"batch {args.batch}", Loop(args.root, args.model, device).rate(args.batch, args.steps, args.warmup))
+    line(f"batch {args.batch}", Loop(data, args.model, device).rate(args.batch, args.steps, args.warmup))
     line(
         f"batch {args.batch}, bf16",
-        Loop(args.root, args.model, device).rate(args.batch, args.steps, args.warmup, bf16=True),
+        Loop(data, args.model, device).rate(args.batch, args.steps, args.warmup, bf16=True),
     )
     line(
         f"batch {args.batch}, channels-last",
-        Loop(args.root, args.model, device, channels_last=True).rate(args.batch, args.steps, args.warmup),
+        Loop(data, args.model, device, channels_last=True).rate(args.batch, args.steps, args.warmup),
     )
     if device.type == "cuda":
         graphs = {
@@ -238,7 +227,7 @@ def main(argv=None) -> int:
         }
         for label, method in graphs.items():
             try:
-                rate = getattr(Loop(args.root, args.model, device), method)(args.batch, args.steps, args.warmup)
+                rate = getattr(Loop(data, args.model, device), method)(args.batch, args.steps, args.warmup)
             except Exception as exc:  # noqa: BLE001 - a capture that fails is a line, not the end
                 print(f"batch {args.batch}, {label}: failed: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
             else:

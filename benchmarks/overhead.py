@@ -74,12 +74,15 @@ def run_config(args, out: Path):
 
 
 CROSS_DEVICE_ALPHA = 1e6  # fcil-sync's Dirichlet shares all but equal: every client gets the same images per class
+# pfl_overhead.py's cross-device shape: its --cd-* options' defaults
+CROSS_DEVICE = {"cd_clients": 1000, "cd_images": 50, "cd_per_round": 50, "cd_rounds": 200, "cd_batch": 10}
+CROSS_DEVICE["cd_test_per_class"] = 10
 
 
 def shape_work(args, shape: str) -> argparse.Namespace:
     """The work options of one of ``pfl_overhead.py``'s shapes (``run_config``
-    and its ``time_pfl`` read them; ``checkpoint_cost.py`` and ``pfl_phases.py``
-    use the cross-device one), its data subset made."""
+    and its ``time_pfl`` read them; :func:`cross_device_work` gives the
+    cross-device one), its data subset made."""
     work = copy.copy(args)
     work.device = "cpu"
     if shape == "long-task":
@@ -99,6 +102,18 @@ def shape_work(args, shape: str) -> argparse.Namespace:
             f"shared CIFAR-10, first {work.train_per_class} train / {work.test_per_class} test images per class"
         )
     return work
+
+
+def cross_device_work(clients: int, rounds: int) -> argparse.Namespace:
+    """The cross-device shape's work (:data:`CROSS_DEVICE`) with ``clients``
+    clients (at most 50 sampled a round) and ``rounds`` rounds, for the
+    benchmarks that take it apart (checkpoint_cost.py, build_cost.py, pfl_phases.py)."""
+    parser = argparse.ArgumentParser()
+    add_work_arguments(parser)
+    args = parser.parse_args([])
+    vars(args).update(CROSS_DEVICE)
+    args.cd_clients, args.cd_per_round, args.cd_rounds = clients, min(args.cd_per_round, clients), rounds
+    return shape_work(args, "cross-device")
 
 
 # --- fedaval ----------------------------------------------------------------

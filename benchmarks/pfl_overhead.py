@@ -445,13 +445,21 @@ def main(argv=None) -> int:
     overhead.add_work_arguments(parser)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--long-rounds", type=int, default=15, help="rounds of the long-task shape's one task")
-    parser.add_argument("--cd-clients", type=int, default=1000, help="cross-device: clients")
-    parser.add_argument("--cd-images", type=int, default=50, help="cross-device: CIFAR-10 training images per client")
-    parser.add_argument("--cd-per-round", type=int, default=50, help="cross-device: clients sampled per round")
-    parser.add_argument("--cd-rounds", type=int, default=200, help="cross-device: rounds")
-    parser.add_argument("--cd-batch", type=int, default=10, help="cross-device: local batch size")
+    cd = overhead.CROSS_DEVICE
+    parser.add_argument("--cd-clients", type=int, default=cd["cd_clients"], help="cross-device: clients")
     parser.add_argument(
-        "--cd-test-per-class", type=int, default=10, help="cross-device: CIFAR-10 test images per class"
+        "--cd-images", type=int, default=cd["cd_images"], help="cross-device: CIFAR-10 training images per client"
+    )
+    parser.add_argument(
+        "--cd-per-round", type=int, default=cd["cd_per_round"], help="cross-device: clients sampled per round"
+    )
+    parser.add_argument("--cd-rounds", type=int, default=cd["cd_rounds"], help="cross-device: rounds")
+    parser.add_argument("--cd-batch", type=int, default=cd["cd_batch"], help="cross-device: local batch size")
+    parser.add_argument(
+        "--cd-test-per-class",
+        type=int,
+        default=cd["cd_test_per_class"],
+        help="cross-device: CIFAR-10 test images per class",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, choices=(1, 2), help="torch threads, both sides")

@@ -25,7 +25,7 @@ from checkpoint_cost import child_result
 HERE = Path(__file__).resolve().parent
 
 CHILD = r"""
-import argparse, copy, json, sys, tempfile, time
+import copy, json, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 import torch
@@ -33,12 +33,7 @@ torch.set_num_threads(1)
 import overhead, pfl_overhead as P
 
 side, rounds, pfl_memory = sys.argv[1], int(sys.argv[2]), sys.argv[4]
-parser = argparse.ArgumentParser()
-overhead.add_work_arguments(parser)
-args = parser.parse_args([])
-args.cd_clients, args.cd_images, args.cd_per_round, args.cd_rounds = 1000, 50, 50, rounds
-args.cd_batch, args.cd_test_per_class = 10, 10
-work = overhead.shape_work(args, "cross-device")
+work = overhead.cross_device_work(1000, rounds)
 tmp = Path(tempfile.mkdtemp())
 warm = copy.copy(work)
 warm.rounds_per_task = 1
