@@ -12,6 +12,10 @@ model; ``--settings`` picks some), in this one process:
 * **resumed**: the first run's checkpoint of each round in ``--resume-rounds``
   is restored into a freshly built run (as ``fedaval train --resume`` does),
   which trains to the end; its results.json must equal the whole run's;
+* **with --cuda-graphs** (on a CUDA device): a run with each client's
+  backbone replayed from CUDA graphs (:mod:`fedaval.cuda_graphs`), still
+  with --deterministic; its results.json must equal the whole run's (the
+  ``cuda_graphs`` field of the config aside);
 * **twice without --deterministic** (``--nondeterministic``, first setting
   only): whether cuDNN's and the atomics' nondeterminism shows in the results;
   reported, not required.
@@ -122,12 +126,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedaval-cuda-identity-") as tmp:
         for index, (name, overrides) in enumerate(chosen.items()):
 
-            def config(label: str, deterministic: bool = True, name=name, overrides=overrides) -> RunConfig:
+            def config(
+                label: str, deterministic: bool = True, cuda_graphs: bool = False, name=name, overrides=overrides
+            ) -> RunConfig:
                 return RunConfig(
                     rounds_per_task=args.rounds_per_task,
                     device=args.device,
                     seed=0,
                     deterministic=deterministic,
+                    cuda_graphs=cuda_graphs,
                     checkpoint_every=1,
                     keep_checkpoints=100,
                     out=str(Path(tmp) / name / label),
@@ -140,6 +147,10 @@ def main(argv=None) -> int:
                 run = build_run(config(f"resumed-{round}"), out_dir=Path(tmp) / name / f"resumed-{round}")
                 results = checkpoint.restore(run, checkpoint.path_for(Path(tmp) / name / "a", round))
                 report(name, f"resumed from round {round}", whole, strip_timing(train(run, results=results)))
+            if args.device.startswith("cuda"):
+                graphed = strip_timing(run_training(config("graphs", cuda_graphs=True)))
+                graphed["config"]["cuda_graphs"] = False
+                report(name, "with --cuda-graphs", whole, graphed)
             if args.nondeterministic and index == 0:
                 first = strip_timing(run_training(config("c", deterministic=False)))
                 second = strip_timing(run_training(config("d", deterministic=False)))

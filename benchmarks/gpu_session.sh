@@ -9,17 +9,20 @@
 #
 # Everything lands in $OUT/session.tgz (the device tool brings it back):
 # session.log with each step's time and exit status, one file per step.
+#   throughput.txt    benchmarks/round_throughput.py --device cuda --cuda-graphs both (item 3: ratio to
+#                     the batch-320 limit, without and with --cuda-graphs)
 #   phase A, correctness, side by side (no timing in it):
 #     tests-cuda.txt  the suite (all but Ray) with its runs on the GPU (FEDAVAL_TEST_DEVICE=cuda,
 #                     deterministic algorithms), pytest-xdist workers
-#     identity.txt    benchmarks/cuda_identity.py: same results twice, checkpoints resumed, on cuda
+#     identity.txt    benchmarks/cuda_identity.py: same results twice, checkpoints resumed, with and
+#                     without --cuda-graphs, on cuda
 #   phase B, timings, one at a time:
-#     overhead-*.txt  benchmarks/overhead.py --device cuda: CNN and ResNet-18 (item 2)
-#     throughput.txt  benchmarks/round_throughput.py --device cuda (item 3: ratio to the batch-320 limit)
+#     overhead-cnn.txt  benchmarks/overhead.py --device cuda --profile: the CNN (item 2) and where its
+#                     per-round cost goes
 #     ceilings.txt    benchmarks/gpu_ceilings.py --device cuda (item 3: what each technique could reach)
-#     profile.txt     the torch profiler's tables of fedaval's rounds in round_throughput's setting
-#     cprofile.txt    cProfile's table of the same rounds (Python's own time per function)
-#     overhead.md     benchmarks/results/overhead.md as --write left it
+#     profile.txt     the torch profiler's tables of fedaval's rounds with --cuda-graphs
+# Session 11's script (overhead of both models, ceilings with processes, cProfile) is in git history
+# (commit 53963cf); its outputs are in benchmarks/results/gpu-h200-2026-11-26/.
 # Each step has a time limit (seconds, below); a step that fails or runs out
 # does not stop the next one.
 set -u
@@ -71,22 +74,22 @@ python3 -c 'import torch, avalanche, fedaval; print("torch", torch.__version__, 
     torch.cuda.get_device_name(0))' >>"$WORK/session.log" 2>&1
 export PYTHONWARNINGS=ignore
 
+# first the number this session is for: fedaval's rounds without and with --cuda-graphs, against the
+# batch-320 loop, in one invocation (item 3's before and after)
+step "${THROUGHPUT_S:-100}" throughput.txt python3 benchmarks/round_throughput.py --device cuda --cuda-graphs both
+
 # phase A: correctness, side by side. The suite with its runs on the GPU (its
-# CPU runs are what CI checks); on 16 cores with 14 workers it took 145 s.
-step "${TESTS_S:-200}" tests-cuda.txt env OMP_NUM_THREADS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 FEDAVAL_TEST_DEVICE=cuda \
+# CPU runs are what CI checks); on 16 cores with 15 workers it took 145 s.
+step "${TESTS_S:-170}" tests-cuda.txt env OMP_NUM_THREADS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 FEDAVAL_TEST_DEVICE=cuda \
     python3 -m pytest -q -rfE -n "${WORKERS:-13}" -k 'not ray' -p no:cacheprovider &
-step "${IDENTITY_S:-200}" identity.txt env OMP_NUM_THREADS=2 python3 benchmarks/cuda_identity.py --nondeterministic &
+step "${IDENTITY_S:-170}" identity.txt env OMP_NUM_THREADS=2 python3 benchmarks/cuda_identity.py &
 wait
 log "phase A done"
 
-# phase B: timings, one at a time, in the order of the issue's items
-step "${OVERHEAD_S:-75}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --write --profile
-step "${OVERHEAD_S:-75}" overhead-resnet18.txt \
-    python3 benchmarks/overhead.py --device cuda --model resnet18 --repeats 3 --write
-cp benchmarks/results/overhead.md "$WORK/" && pack
-step "${THROUGHPUT_S:-50}" throughput.txt python3 benchmarks/round_throughput.py --device cuda
-step "${CEILINGS_S:-100}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda
-step "${PROFILE_S:-40}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile torch
-step "${PROFILE_S:-40}" cprofile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile python
+# phase B: timings, one at a time
+step "${OVERHEAD_S:-45}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --profile
+step "${CEILINGS_S:-80}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes ""
+step "${PROFILE_S:-40}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile torch \
+    --cuda-graphs on
 log "done"
 pack

@@ -2,6 +2,7 @@
 
     python benchmarks/round_throughput.py --device cuda              # ResNet-18, 10 clients x batch 32 vs batch 320
     python benchmarks/round_throughput.py --model cnn --rounds 3     # the CPU, the small CNN
+    python benchmarks/round_throughput.py --device cuda --cuda-graphs both   # before and after, one invocation
 
 The GPU issue's item 3: local training of a small model at batch 32 leaves
 most of a GPU idle when clients train one after another. Two numbers, measured
@@ -25,6 +26,11 @@ in one invocation on the same device, one torch thread on the CPU:
   around the timing on a GPU. It is what the hardware does for this model when
   it is kept busy, not work identical to fedaval's (a batch of 320 is one step
   where fedaval's clients take ten).
+
+With ``--cuda-graphs on`` (or ``both``: without, then with, in this one
+invocation) fedaval's rounds run with ``--cuda-graphs``
+(:mod:`fedaval.cuda_graphs`); the first round also pays for each client's
+capture, and is not timed.
 
 Printed: both rates, their ratio (fedaval / limit; the issue's goal on the
 GPU is at least 0.5), the device and the load average before and after.
@@ -113,7 +119,7 @@ class TorchProfile:
         print(flush=True)
 
 
-def fedaval_rates(args, root: str, out: Path) -> tuple[float, float, int]:
+def fedaval_rates(args, root: str, out: Path, cuda_graphs: bool = False) -> tuple[float, float, int]:
     """Median samples per second of the timed rounds: over local training, over
     the round's wall time; and the samples trained per round."""
     from timed_rounds import timed_rounds
@@ -138,6 +144,7 @@ def fedaval_rates(args, root: str, out: Path) -> tuple[float, float, int]:
             eval_every=args.rounds,
             checkpoint_every=str(args.rounds),
             device=args.device,
+            cuda_graphs=cuda_graphs,
             seed=0,
             out=str(out),
         )
@@ -182,6 +189,12 @@ def main(argv=None) -> int:
     parser.add_argument("--data-root", default=None, help="an image folder (default: the shared CIFAR-10 subset)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     parser.add_argument(
+        "--cuda-graphs",
+        choices=["off", "on", "both"],
+        default="off",
+        help="fedaval's rounds without --cuda-graphs, with it, or both in this invocation (CUDA only)",
+    )
+    parser.add_argument(
         "--profile",
         choices=["torch", "python"],
         default=None,
@@ -211,14 +224,18 @@ def main(argv=None) -> int:
         f"limit: one loop at batch {args.limit_batch}",
         flush=True,
     )
-    with tempfile.TemporaryDirectory(prefix="fedaval-throughput-") as tmp:
-        local, wall, samples = fedaval_rates(args, root, Path(tmp) / "run")
-    print(f"fedaval: {samples} samples a round; {local:,.0f} samples/s in local training, {wall:,.0f} per round")
+    rates = {}
+    for graphs in {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]:
+        label = "fedaval --cuda-graphs" if graphs else "fedaval"
+        with tempfile.TemporaryDirectory(prefix="fedaval-throughput-") as tmp:
+            local, wall, samples = rates[label] = fedaval_rates(args, root, Path(tmp) / "run", graphs)
+        print(f"{label}: {samples} samples a round; {local:,.0f} samples/s in local training, {wall:,.0f} per round")
     if args.profile:  # profiled rounds are slower: no ratio
         return 0
     limit = limit_rate(data, args.model, args.limit_batch, args.limit_epochs, args.lr, device)
     print(f"limit (batch {args.limit_batch}): {limit:,.0f} samples/s")
-    print(f"ratio fedaval / limit: {local / limit:.3f} (local training), {wall / limit:.3f} (whole round)")
+    for label, (local, wall, _) in rates.items():
+        print(f"ratio {label} / limit: {local / limit:.3f} (local training), {wall / limit:.3f} (whole round)")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

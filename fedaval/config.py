@@ -57,6 +57,7 @@ class RunConfig:
     lr_min: float = 1e-4
     augment: str = "auto"
     deterministic: bool = False
+    cuda_graphs: bool = False
     eval_every: int = 1
     utility_lambda: float = 0.5
     link_mbps: float = 100.0

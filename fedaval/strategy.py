@@ -32,6 +32,7 @@ from avalanche.core import SupervisedPlugin
 from avalanche.models.dynamic_modules import DynamicModule, avalanche_model_adaptation
 from avalanche.training.templates import SupervisedTemplate
 
+from fedaval.cuda_graphs import GraphedFeatures
 from fedaval.device_data import device_batches, eval_batches
 from fedaval.errors import FedavalUsageError
 from fedaval.plugin import CORE_LOSS_TERMS
@@ -113,14 +114,29 @@ class FederatedStrategy(SupervisedTemplate):
         self._eval_model_as_is = False
         self.mb_features: torch.Tensor | None = None
         self._task_data: tuple[Any, Any] | None = None
+        self._graphed: GraphedFeatures | None = None  # --cuda-graphs (fedaval.cuda_graphs); not pickled
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_graphed"] = None  # a CUDA graph is not state: captured anew where the strategy is loaded
+        return state
 
     def forward(self):
-        features = self.model.features(self.mb_x)
+        features = self._features()
         self.mb_features = features
         logits = self.run.hook.fedaval_classify(
             run=self.run, client=self.client, model=self.model, features=features, training=self.is_training
         )
         return self.model.classifier(features) if logits is None else logits
+
+    def _features(self) -> torch.Tensor:
+        """``model.features`` of the minibatch; through a CUDA graph with ``--cuda-graphs``."""
+        if self.client is None or not self.run.config.cuda_graphs:
+            return self.model.features(self.mb_x)
+        graphed = getattr(self, "_graphed", None)  # a strategy pickled before the option has none
+        if graphed is None or graphed.module is not self.model.features:
+            self._graphed = GraphedFeatures(self.model.features)
+        return self._graphed(self.mb_x)
 
     def _before_training(self, **kwargs):
         """The round's optimizer policy and learning rate (:mod:`fedaval.training`)."""

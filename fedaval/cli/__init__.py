@@ -180,6 +180,13 @@ def cli() -> None:
     "deterministic kernels and CUBLAS_WORKSPACE_CONFIG): the same results.json twice on a GPU, slower.",
 )
 @click.option(
+    "--cuda-graphs",
+    is_flag=True,
+    help="Replay each client's backbone (forward and backward) from a CUDA graph while it trains: fewer "
+    "kernel launches for small models at small batches; CUDA only; with --deterministic the same results "
+    "as without (fedaval/cuda_graphs.py).",
+)
+@click.option(
     "--seed",
     default=0,
     show_default=True,

@@ -1,0 +1,194 @@
+"""--cuda-graphs: a client's backbone replayed from a CUDA graph changes no result.
+
+On the CPU the capture is a stand-in (``fake_make_graphed``) that does what
+``torch.cuda.make_graphed_callables`` does to the module (warm-up steps that
+move BatchNorm's statistics, a patched ``forward``); the GPU test at the end
+runs the real one (FEDAVAL_TEST_DEVICE=cuda, docs/performance.md "On a GPU")."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import TEST_DEVICE, one_line_error, strip_timing
+
+from fedaval.cuda_graphs import WARMUP_STEPS, GraphedFeatures
+from fedaval.errors import FedavalUsageError
+
+
+class FakeCapture:
+    """Stands in for make_graphed_callables: runs the warm-up steps on the
+    module (as the real one does on a side stream), then patches its forward
+    with a "replay" that computes eagerly, is counted, and returns its output
+    in the same memory every time (a graph's static output)."""
+
+    def __init__(self):
+        self.captures = 0
+        self.replays = 0
+        self.static: torch.Tensor | None = None
+
+    class Static(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out, static):
+            static.copy_(out)
+            return static.view_as(static)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    def __call__(self, module, sample_args, num_warmup_iters, allow_unused_input):
+        assert num_warmup_iters == WARMUP_STEPS and allow_unused_input
+        for _ in range(num_warmup_iters):
+            module(*sample_args).sum().backward()
+        module.zero_grad(set_to_none=True)
+        original = module.forward
+        self.static = None  # each graph has its own output memory
+
+        def replay(*args):
+            self.replays += 1
+            out = original(*args)
+            if self.static is None:
+                self.static = torch.empty_like(out)
+            return self.Static.apply(out, self.static)
+
+        module.forward = replay
+        self.captures += 1
+        return module
+
+
+def backbone():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.ReLU())
+
+
+def train(features, module, batches):
+    """SGD steps through ``features`` (the module or its graphed stand-in)."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    outputs = []
+    for x in batches:
+        optimizer.zero_grad(set_to_none=True)
+        out = features(x)
+        out.square().mean().backward()
+        optimizer.step()
+        outputs.append(out.detach())
+    return outputs
+
+
+def batches(sizes):
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(n, 6, generator=generator) for n in sizes]
+
+
+def test_graphed_steps_equal_eager_steps_and_the_warm_up_leaves_no_trace():
+    eager = backbone()
+    graphed_module = copy.deepcopy(eager)
+    fake = FakeCapture()
+    graphed = GraphedFeatures(graphed_module, make_graphed=fake)
+    data = batches([8, 8, 8, 3])  # the last, partial batch runs eagerly
+
+    expected = train(eager, eager, data)
+    got = train(graphed, graphed_module, data)
+
+    assert (fake.captures, fake.replays) == (1, 3)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(eager.state_dict().values(), graphed_module.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # BatchNorm's statistics: the warm-up's undone
+    assert "forward" not in vars(graphed_module)  # the module's own forward is back, for eval and plugins
+
+
+def test_a_replaced_or_frozen_parameter_is_captured_again():
+    module = backbone()
+    fake = FakeCapture()
+    graphed = GraphedFeatures(module, make_graphed=fake)
+    x = batches([8])[0]
+    graphed(x)
+    graphed(x)
+    assert fake.captures == 1
+    module[0].weight.data = module[0].weight.data.clone()  # a new address, as loading an offloaded client gives
+    graphed(x)
+    assert fake.captures == 2
+    module[0].bias.requires_grad_(False)
+    graphed(x)
+    assert fake.captures == 3
+    graphed(batches([16])[0])  # a larger batch: its own graph
+    assert fake.captures == 4
+
+
+def test_evaluation_and_no_grad_run_the_module_itself():
+    module = backbone()
+    fake = FakeCapture()
+    graphed = GraphedFeatures(module, make_graphed=fake)
+    x = batches([8])[0]
+    with torch.no_grad():
+        graphed(x)
+    module.eval()
+    graphed(x)
+    assert fake.captures == fake.replays == 0
+
+
+def test_each_step_returns_its_own_features():
+    module = backbone()
+    graphed = GraphedFeatures(module, make_graphed=FakeCapture())
+    x = batches([8])[0]
+    first = graphed(x)
+    second = graphed(x)
+    assert first.data_ptr() != second.data_ptr()
+
+
+def test_a_backbone_with_module_hooks_is_refused():
+    module = backbone()
+    module[0].register_forward_hook(lambda *args: None)
+    with pytest.raises(FedavalUsageError, match="--cuda-graphs cannot capture .* module hooks \\(on 0\\)"):
+        GraphedFeatures(module, make_graphed=FakeCapture())(batches([8])[0])
+
+
+def test_features_that_are_not_a_module_are_refused():
+    with pytest.raises(FedavalUsageError, match="features to be a torch.nn.Module, not a method"):
+        GraphedFeatures(backbone().forward)
+
+
+def test_an_offloaded_client_holds_no_graph(tiny_config):
+    from fedaval.build import build_run
+
+    client = build_run(tiny_config()).clients[0]
+    strategy = client.strategy
+    strategy._graphed = graphed = GraphedFeatures(strategy.model.features, make_graphed=FakeCapture())
+    graphed(torch.randn(4, *client.run.data.input_shape))  # holds the patched forward, a closure pickle refuses
+    client.offload()
+    assert client.strategy._graphed is None and graphed.captures == 1
+
+
+def test_cuda_graphs_on_the_cpu_is_a_one_line_error(tmp_path):
+    out = tmp_path / "run"
+    line = one_line_error(["train", "--cuda-graphs", "--device", "cpu", "--out", str(out)])
+    assert line == (
+        "fedaval: error: --cuda-graphs needs a CUDA device; --device cpu is not one: "
+        "allowed with cuda, cuda:<index>, or auto on a machine with a GPU"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (FEDAVAL_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("model", ["auto", "cnn"])
+def test_on_a_gpu_the_graphs_change_no_result(tiny_config, tmp_path, monkeypatch, model):
+    """Deterministic algorithms (tiny_config on a GPU): the same results.json
+    with and without graphs, clients offloaded to host memory and back
+    (their storages move, so graphs are captured again)."""
+    from fedaval.api import run_training
+
+    captures = []
+    capture = GraphedFeatures._capture
+    monkeypatch.setattr(GraphedFeatures, "_capture", lambda self, x: (captures.append(x.shape), capture(self, x)))
+
+    settings = dict(model=model, scenario_options={"clients": 3, "tasks": 2}, clients_per_round=2)
+    settings.update(offload_clients="cpu", rounds_per_task=3)
+    results = {}
+    for graphs in (False, True):
+        config = tiny_config(out=str(tmp_path / str(graphs)), cuda_graphs=graphs, **settings)
+        results[graphs] = strip_timing(run_training(config))
+        results[graphs]["config"].pop("cuda_graphs")
+    assert results[True] == results[False]
+    assert len(captures) >= 6  # each client at least once per task, once more after each offload
