@@ -89,7 +89,7 @@ log "phase A done"
 # phase B: timings, one at a time
 step "${OVERHEAD_S:-45}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --profile
 step "${CEILINGS_S:-80}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes ""
-step "${PROFILE_S:-40}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile torch \
+step "${PROFILE_S:-90}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile torch \
     --cuda-graphs on
 log "done"
 pack

@@ -130,7 +130,15 @@ def run_split(run: Run, source: TensorImageDataset) -> str | None:
 def minibatch(
     source: TensorImageDataset, positions: torch.Tensor, images: torch.Tensor, labels: torch.Tensor
 ) -> list[torch.Tensor]:
-    """``[x, y, task_labels]`` of ``source``'s samples ``positions``, as Avalanche's loaders yield them."""
+    """``[x, y, task_labels]`` of ``source``'s samples ``positions``, as Avalanche's loaders yield them.
+
+    On a GPU, ``positions`` (from the sampler, on the host) go over through
+    pinned memory without blocking: a plain copy from pageable memory waits
+    for every kernel queued before it, so the host would stop at every
+    minibatch until the GPU caught up, instead of queueing the next step
+    while the GPU runs this one (tests/test_gpu_syncs.py)."""
+    if images.device.type == "cuda" and positions.device.type == "cpu":
+        positions = positions.pin_memory().to(images.device, non_blocking=True)
     x, y = source.batch(positions, images, labels)
     return [x, y, torch.zeros(len(positions), dtype=torch.int64, device=x.device)]
 
@@ -160,7 +168,8 @@ class EvalBatches:
         torch.empty((), dtype=torch.int64).random_()  # the DataLoader iterator's base seed
         total = len(self.source)
         for start in range(0, total, self.batch_size):
-            yield minibatch(self.source, torch.arange(start, min(start + self.batch_size, total)), images, labels)
+            positions = torch.arange(start, min(start + self.batch_size, total), device=images.device)
+            yield minibatch(self.source, positions, images, labels)
 
 
 class DeviceBatches:

@@ -156,7 +156,7 @@ def test_an_offloaded_client_holds_no_graph(tiny_config):
     client = build_run(tiny_config()).clients[0]
     strategy = client.strategy
     strategy._graphed = graphed = GraphedFeatures(strategy.model.features, make_graphed=FakeCapture())
-    graphed(torch.randn(4, *client.run.data.input_shape))  # holds the patched forward, a closure pickle refuses
+    graphed(torch.randn(4, *client.run.data.input_shape, device=client.run.device))  # holds the patched forward, a closure pickle refuses
     client.offload()
     assert client.strategy._graphed is None and graphed.captures == 1
 
@@ -191,4 +191,4 @@ def test_on_a_gpu_the_graphs_change_no_result(tiny_config, tmp_path, monkeypatch
         results[graphs] = strip_timing(run_training(config))
         results[graphs]["config"].pop("cuda_graphs")
     assert results[True] == results[False]
-    assert len(captures) >= 6  # each client at least once per task, once more after each offload
+    assert len(captures) >= 3 and all(shape[0] == 32 for shape in captures)  # every client, at full batches
