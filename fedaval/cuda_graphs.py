@@ -26,6 +26,14 @@ capturing runs three warm-up steps, whose effect on the buffers and on the
 device's random stream is undone. A graph is not state: checkpoints and
 offloaded clients do not hold it, and a resumed run captures anew.
 
+Memory: a graph keeps its step's activations (for ResNet-18 at batch 32 on
+CIFAR-10, some hundreds of MB). A client keeps its graph only while it
+trains in consecutive rounds: one that idles next round lets it go
+(``FederatedStrategy._after_training``) and captures again when it is next
+sampled; so at most the clients of two consecutive rounds hold graphs. On
+the Ray backend a client's state travels to a worker for each round, so its
+graph is captured every round there.
+
 Results: a replay runs the kernels the eager step runs, in the same order, so
 with ``--deterministic`` a run gives the same results.json with and without
 the option (``benchmarks/cuda_identity.py`` checked it on an H200 for FedAvg

@@ -131,7 +131,7 @@ class FederatedStrategy(SupervisedTemplate):
 
     def _features(self) -> torch.Tensor:
         """``model.features`` of the minibatch; through a CUDA graph with ``--cuda-graphs``."""
-        if self.client is None or not self.run.config.cuda_graphs:
+        if self.client is None or not self.run.config.cuda_graphs or not self.is_training:
             return self.model.features(self.mb_x)
         graphed = getattr(self, "_graphed", None)  # a strategy pickled before the option has none
         if graphed is None or graphed.module is not self.model.features:
@@ -150,6 +150,17 @@ class FederatedStrategy(SupervisedTemplate):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         super()._before_training(**kwargs)
+
+    def _after_training(self, **kwargs):
+        super()._after_training(**kwargs)
+        if getattr(self, "_graphed", None) is not None and not self._trains_next_round():
+            # --cuda-graphs: a graph holds its activations' memory; a client that idles next
+            # round lets it go and captures anew when it trains again
+            self._graphed = None
+
+    def _trains_next_round(self) -> bool:
+        run = self.run
+        return run.round < len(run.schedule) and self.client is not None and self.client.id in run.schedule[run.round]
 
     def _unpack_minibatch(self):
         super()._unpack_minibatch()
