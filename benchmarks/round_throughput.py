@@ -209,6 +209,8 @@ def main(argv=None) -> int:
 
     device = resolve_device(args.device)
     args.device = str(device)
+    if args.cuda_graphs != "off" and device.type != "cuda":
+        parser.error(f"--cuda-graphs {args.cuda_graphs} needs a CUDA device; --device is {device}")
     if args.data_root is None:
         from cifar_data import cifar_subset
 

@@ -74,6 +74,18 @@ def test_round_throughput_benchmark_runs(cifar10_root):
     assert "ratio fedaval / limit:" in out and "(local training)" in out
 
 
+def test_round_throughput_refuses_cuda_graphs_without_a_gpu():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "round_throughput.py"), "--device", "cpu", "--cuda-graphs", "both"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        "round_throughput.py: error: --cuda-graphs both needs a CUDA device; --device is cpu"
+    )
+
+
 def test_round_throughput_profiles_fedavals_rounds(cifar10_root):
     out = run(
         "round_throughput.py",
