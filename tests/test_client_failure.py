@@ -191,3 +191,27 @@ def test_check_finite_names_the_first_bad_entry_and_reads_each_device_once(monke
     with pytest.raises(FloatingPointError, match=r"^upload\['c'\] holds inf$"):
         check_finite({"c": float("inf"), "d": torch.full((2,), float("nan"))}, "upload")
     check_finite({"n": torch.arange(3), "s": "text", "none": None}, "upload")  # integer tensors are not checked
+
+
+def test_check_finite_over_mixed_dtypes_keeps_the_payload_order():
+    """Tensors are checked per device and dtype together; the error still
+    names the first bad entry in the payload's order, whatever its dtype,
+    and empty or non-contiguous tensors are checked as any other."""
+    from fedaval.payload import check_finite
+
+    big = torch.randn(1000)
+    big[500] = float("nan")
+    strided = torch.zeros(4, 3).t()
+    strided[2, 1] = float("-inf")
+    payload = {
+        "a": torch.ones(3, dtype=torch.float64),
+        "empty": torch.empty(0),
+        "b": torch.ones(2, dtype=torch.bfloat16),
+        "c": big,
+        "d": torch.tensor([float("inf")], dtype=torch.float64),
+    }
+    with pytest.raises(FloatingPointError, match=r"^upload\['c'\] holds non-finite values$"):
+        check_finite(payload, "upload")
+    with pytest.raises(FloatingPointError, match=r"^upload\['s'\] holds non-finite values$"):
+        check_finite({"h": torch.ones(2, dtype=torch.float16), "s": strided}, "upload")
+    check_finite({"a": payload["a"], "empty": payload["empty"], "b": payload["b"]}, "upload")

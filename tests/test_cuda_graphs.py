@@ -156,7 +156,9 @@ def test_an_offloaded_client_holds_no_graph(tiny_config):
     client = build_run(tiny_config()).clients[0]
     strategy = client.strategy
     strategy._graphed = graphed = GraphedFeatures(strategy.model.features, make_graphed=FakeCapture())
-    graphed(torch.randn(4, *client.run.data.input_shape, device=client.run.device))  # holds the patched forward, a closure pickle refuses
+    graphed(
+        torch.randn(4, *client.run.data.input_shape, device=client.run.device)
+    )  # holds the patched forward, a closure pickle refuses
     client.offload()
     assert client.strategy._graphed is None and graphed.captures == 1
 
