@@ -138,15 +138,17 @@ class GraphedFeatures:
         buffers = [b.clone() for b in module.buffers()]
         rng = _rng_state(x.device)
         sample = x.detach().clone().requires_grad_(x.requires_grad)
-        self._make_graphed(module, (sample,), num_warmup_iters=WARMUP_STEPS, allow_unused_input=True)
-        # make_graphed_callables patches module.forward; take the graphed forward and give the
-        # module its own back, so that evaluation and plugins calling model.features run eagerly
-        self._graphed = module.forward
-        del module.forward
-        with torch.no_grad():  # the warm-up steps' BatchNorm updates, undone
-            for live, saved in zip(module.buffers(), buffers):
-                live.copy_(saved)
-        _set_rng_state(rng, x.device)
+        try:
+            self._make_graphed(module, (sample,), num_warmup_iters=WARMUP_STEPS, allow_unused_input=True)
+            # make_graphed_callables patches module.forward; take the graphed forward and give the
+            # module its own back, so that evaluation and plugins calling model.features run eagerly
+            self._graphed = module.forward
+        finally:  # also when the capture fails: the module as it was
+            vars(module).pop("forward", None)
+            with torch.no_grad():  # the warm-up steps' BatchNorm updates, undone
+                for live, saved in zip(module.buffers(), buffers):
+                    live.copy_(saved)
+            _set_rng_state(rng, x.device)
         self.captures += 1
 
 

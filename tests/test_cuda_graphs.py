@@ -138,6 +138,22 @@ def test_each_step_returns_its_own_features():
     assert first.data_ptr() != second.data_ptr()
 
 
+def test_a_failed_capture_leaves_the_module_as_it_was():
+    module = backbone()
+    before = copy.deepcopy(module.state_dict())
+
+    def fails(module, sample_args, **kwargs):
+        module(*sample_args)  # a warm-up step moved BatchNorm's statistics
+        module.forward = lambda x: x
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        GraphedFeatures(module, make_graphed=fails)(batches([8])[0])
+    assert "forward" not in vars(module)
+    for a, b in zip(before.values(), module.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_a_backbone_with_module_hooks_is_refused():
     module = backbone()
     module[0].register_forward_hook(lambda *args: None)
