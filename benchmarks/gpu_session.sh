@@ -23,7 +23,8 @@
 #     overhead-cnn.txt  benchmarks/overhead.py --device cuda --profile: the CNN (item 2) and where its
 #                     per-round cost goes
 #     ceilings.txt    benchmarks/gpu_ceilings.py --device cuda (item 3: what each technique could reach)
-#     profile.txt     the torch profiler's tables of fedaval's rounds with --cuda-graphs
+#     cprofile.txt    cProfile of fedaval's rounds with --cuda-graphs (the host's Python per function)
+#     profile.txt     the torch profiler's tables of the same rounds
 # Session 11's script (overhead of both models, ceilings with processes, cProfile) is in git history
 # (commit 53963cf); its outputs are in benchmarks/results/gpu-h200-2026-11-26/.
 # Each step has a time limit (seconds, below); a step that fails or runs out
@@ -142,7 +143,11 @@ log "phase A done"
 # phase B: timings, one at a time
 step "${OVERHEAD_S:-45}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --profile
 step "${CEILINGS_S:-80}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes ""
-step "${PROFILE_S:-90}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --profile torch \
-    --cuda-graphs on
+# where a graphed round's host time goes (with graphs the host, not the GPU, bounds a step): 3 clients,
+# since session 12's 10-client torch profiles ran out of 40 and 60 s
+step "${PROFILE_S:-90}" cprofile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --clients 3 \
+    --profile python --cuda-graphs on
+step "${PROFILE_S:-90}" profile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --clients 3 \
+    --profile torch --cuda-graphs on
 log "done"
 pack
