@@ -101,9 +101,11 @@ class GraphedFeatures:
                 return module(x)  # a partial batch: eager, keep the graph of the full one
             self._capture(x)
             self._key = key
+        graphed = self._graphed
+        assert graphed is not None, "_capture sets it"
         # the replay writes its output into the same memory every step: a copy, so a plugin
         # that keeps a step's features (a prototype sum, a memory) keeps its own
-        return self._graphed(x).clone()
+        return graphed(x).clone()
 
     def _signature(self, x: torch.Tensor) -> tuple:
         tensors = [*self.module.parameters(), *self.module.buffers()]

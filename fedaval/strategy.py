@@ -135,8 +135,8 @@ class FederatedStrategy(SupervisedTemplate):
             return self.model.features(self.mb_x)
         graphed = getattr(self, "_graphed", None)  # a strategy pickled before the option has none
         if graphed is None or graphed.module is not self.model.features:
-            self._graphed = GraphedFeatures(self.model.features)
-        return self._graphed(self.mb_x)
+            graphed = self._graphed = GraphedFeatures(self.model.features)
+        return graphed(self.mb_x)
 
     def _before_training(self, **kwargs):
         """The round's optimizer policy and learning rate (:mod:`fedaval.training`)."""
