@@ -23,6 +23,7 @@
 #     overhead-cnn.txt  benchmarks/overhead.py --device cuda --profile: the CNN (item 2) and where its
 #                     per-round cost goes
 #     ceilings.txt    benchmarks/gpu_ceilings.py --device cuda (item 3: what each technique could reach)
+#     step-host.txt   benchmarks/step_host.py --cuda-graphs: the host's time per step, fedaval against a plain loop
 #     cprofile.txt    cProfile of fedaval's rounds with --cuda-graphs (the host's Python per function)
 #     profile.txt     the torch profiler's tables of the same rounds
 # Session 11's script (overhead of both models, ceilings with processes, cProfile) is in git history
@@ -143,6 +144,8 @@ log "phase A done"
 # phase B: timings, one at a time
 step "${OVERHEAD_S:-45}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --profile
 step "${CEILINGS_S:-80}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes ""
+# the host's work per step apart from the model (62 tiny parameters): fedaval with graphs against a plain loop
+step "${STEP_HOST_S:-60}" step-host.txt python3 benchmarks/step_host.py --device cuda --cuda-graphs
 # where a graphed round's host time goes (with graphs the host, not the GPU, bounds a step): 3 clients,
 # since session 12's 10-client torch profiles ran out of 40 and 60 s
 step "${PROFILE_S:-90}" cprofile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --clients 3 \

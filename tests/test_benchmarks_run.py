@@ -74,6 +74,11 @@ def test_round_throughput_benchmark_runs(cifar10_root):
     assert "ratio fedaval / limit:" in out and "(local training)" in out
 
 
+def test_step_host_benchmark_runs():
+    out = run("step_host.py", "--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--local-epochs", "1")
+    assert "62 backbone parameters" in out and "fedaval's own host work" in out
+
+
 def test_round_throughput_refuses_cuda_graphs_without_a_gpu():
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "round_throughput.py"), "--device", "cpu", "--cuda-graphs", "both"],

@@ -1,0 +1,191 @@
+"""The host's time per training step: fedaval against a plain loop, with a model that computes next to nothing.
+
+    python benchmarks/step_host.py                                   # the CPU, one torch thread
+    python benchmarks/step_host.py --device cuda --cuda-graphs       # on a GPU: what bounds a graphed round
+
+The model is a linear layer and 30 scale-and-shift layers on 8-wide
+features: 62 parameter tensors in its backbone, as many as ResNet-18's, and
+almost no arithmetic. A training step's time is then the host's work:
+Python, PyTorch's dispatch and kernel launches, autograd's bookkeeping and
+the optimizer's per-parameter work, and, on fedaval's side, Avalanche's loop
+and callbacks and fedaval's hooks. With ``--cuda-graphs`` a ResNet-18 step
+on a GPU is bound by exactly that work (docs/performance.md, "On a GPU",
+item 3): this benchmark measures it apart from the model.
+
+* **fedaval**: FedAvg on digits, fcil-sync with ``--clients`` clients and
+  one task, every client every round, ``--local-epochs`` 5 at batch 32, SGD
+  with momentum 0.9, no augmentation, evaluation at the last round only, no
+  checkpoint; per step, the median over rounds 2 to R-1 of the clients'
+  local training seconds (their ``train()`` calls, receiving and uploading
+  included, so a client's per-round costs are spread over its steps: about
+  70 a round here) divided by their minibatches (the first round pays for
+  set-up, the last evaluates);
+* **plain**: the same model, optimizer and batch size in a loop of
+  ``--plain-steps`` steps over the same images on the same device (indices
+  drawn on the device, no synchronisation in the loop).
+
+The two alternate ``--repeats`` times in this one process; printed: the
+median microseconds per step of each, their difference (fedaval's own host
+work per step) and the load average. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from fedaval import hookimpl  # noqa: E402
+
+LAYERS = 30  # scale-and-shift layers: 2 parameters each, with the linear layer's 2: 62
+
+
+class ScaleShift(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.bias = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
+
+
+def many_small_parameters(input_shape, num_classes: int, width: int = 8):
+    from fedaval.models import SplitModel
+
+    inputs = math.prod(input_shape)
+    backbone = nn.Sequential(nn.Flatten(), nn.Linear(inputs, width), *[ScaleShift(width) for _ in range(LAYERS)])
+    return SplitModel(backbone, nn.Linear(width, num_classes), width)
+
+
+class ModelPlugin:
+    """Gives every client and the server :func:`many_small_parameters`, as a third-party model plugin would."""
+
+    name = "step-host-model"
+
+    @hookimpl
+    def fedaval_make_model(self, run, client_id):
+        return many_small_parameters(run.data.input_shape, run.num_classes)
+
+
+def fedaval_step_seconds(args, out: Path) -> float:
+    from fedaval.api import check_settings
+    from fedaval.backends import make_backend
+    from fedaval.build import build_run
+    from fedaval.config import RunConfig
+    from fedaval.coordinator import read_rounds, train
+
+    config = check_settings(
+        RunConfig(
+            plugins=["fedavg"],
+            scenario="fcil-sync",
+            scenario_options={"clients": args.clients, "tasks": 1},
+            dataset="digits",
+            rounds_per_task=args.rounds,
+            local_epochs=args.local_epochs,
+            batch_size=args.batch_size,
+            lr=0.01,
+            momentum=0.9,
+            augment="none",
+            eval_every=args.rounds,
+            checkpoint_every=0,
+            device=args.device,
+            cuda_graphs=args.cuda_graphs,
+            seed=0,
+            out=str(out),
+        )
+    )
+    run = build_run(config, extra_plugins=[ModelPlugin()], out_dir=out)
+    train(run, backend=make_backend(run))
+    steps = args.local_epochs * sum(math.ceil(client.num_samples(0) / args.batch_size) for client in run.clients)
+    records = read_rounds(out)[1:-1]  # the first round sets up, the last evaluates
+    if not records:
+        raise SystemExit("--rounds must be at least 3 (the first and the last round are not timed)")
+    return statistics.median(r["seconds_local"] for r in records) / steps
+
+
+def plain_step_seconds(args, device: torch.device) -> float:
+    from fedaval.datasets import load_dataset
+
+    data = load_dataset("digits", None, False)
+    model = many_small_parameters(data.input_shape, data.num_classes).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    loss_fn = nn.CrossEntropyLoss()
+    images, labels = data.train_x.to(device), data.train_y.to(device)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            index = torch.randint(0, len(labels), (args.batch_size,), device=device)
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(images[index]), labels[index]).backward()
+            optimizer.step()
+
+    steps(20)  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    steps(args.plain_steps)
+    sync(device)
+    return (time.perf_counter() - start) / args.plain_steps
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:i")
+    parser.add_argument("--cuda-graphs", action="store_true", help="fedaval's side with --cuda-graphs (CUDA only)")
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--local-epochs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of fedaval's run (the first and last untimed)")
+    parser.add_argument("--plain-steps", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from fedaval.build import resolve_device
+
+    device = resolve_device(args.device)
+    args.device = str(device)
+    if args.cuda_graphs and device.type != "cuda":
+        parser.error(f"--cuda-graphs needs a CUDA device; --device is {device}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
+    print(f"device: {device} ({name}); load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"model: a linear layer and {LAYERS} scale-and-shift layers (62 backbone parameters); digits, "
+        f"{args.clients} clients, batch {args.batch_size}; fedaval{' --cuda-graphs' if args.cuda_graphs else ''}",
+        flush=True,
+    )
+    fedaval_us, plain_us = [], []
+    for repeat in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="fedaval-step-host-") as tmp:
+            fedaval_us.append(fedaval_step_seconds(args, Path(tmp) / "run") * 1e6)
+        plain_us.append(plain_step_seconds(args, device) * 1e6)
+        print(f"repeat {repeat}: fedaval {fedaval_us[-1]:.0f} us/step, plain {plain_us[-1]:.0f} us/step", flush=True)
+    fedaval, plain = statistics.median(fedaval_us), statistics.median(plain_us)
+    print(
+        f"median: fedaval {fedaval:.0f} us/step, plain {plain:.0f} us/step; fedaval's own host work "
+        f"{fedaval - plain:.0f} us/step (ratio {fedaval / plain:.2f})"
+    )
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
