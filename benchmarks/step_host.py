@@ -81,11 +81,10 @@ class ModelPlugin:
 
 
 def fedaval_step_seconds(args, out: Path) -> float:
+    from timed_rounds import timed_rounds
+
     from fedaval.api import check_settings
-    from fedaval.backends import make_backend
-    from fedaval.build import build_run
     from fedaval.config import RunConfig
-    from fedaval.coordinator import read_rounds, train
 
     config = check_settings(
         RunConfig(
@@ -107,16 +106,18 @@ def fedaval_step_seconds(args, out: Path) -> float:
             out=str(out),
         )
     )
-    run = build_run(config, extra_plugins=[ModelPlugin()], out_dir=out)
-    train(run, backend=make_backend(run))
-    steps = args.local_epochs * sum(math.ceil(client.num_samples(0) / args.batch_size) for client in run.clients)
-    records = read_rounds(out)[1:-1]  # the first round sets up, the last evaluates
+    timed = timed_rounds(config, extra_plugins=[ModelPlugin()])
+    samples = timed.results["scenario"]["client_task_samples"]  # one task, every client every round
+    steps = args.local_epochs * sum(math.ceil(client[0] / args.batch_size) for client in samples)
+    records = timed.records[1:-1]  # the first round sets up, the last evaluates
     if not records:
         raise SystemExit("--rounds must be at least 3 (the first and the last round are not timed)")
     return statistics.median(r["seconds_local"] for r in records) / steps
 
 
 def plain_step_seconds(args, device: torch.device) -> float:
+    from round_throughput import sync
+
     from fedaval.datasets import load_dataset
 
     data = load_dataset("digits", None, False)
@@ -138,11 +139,6 @@ def plain_step_seconds(args, device: torch.device) -> float:
     steps(args.plain_steps)
     sync(device)
     return (time.perf_counter() - start) / args.plain_steps
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv=None) -> int:

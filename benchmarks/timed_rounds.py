@@ -1,5 +1,6 @@
 """One fedaval run built and trained in this process, timed per round, for
-the benchmarks that read a round's cost (round_cost.py, many_clients.py).
+the benchmarks that read a round's cost (round_cost.py, many_clients.py,
+round_throughput.py, step_host.py).
 
 No ``sys.path`` changes here: the importing script decides which fedaval
 is timed (many_clients.py honours ``PYTHONPATH``)."""
@@ -25,15 +26,17 @@ class TimedRun:
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
-def timed_rounds(config, profiler=None) -> TimedRun:
-    """Build ``config``'s run and train it with its own backend, timing each
-    round; ``profiler`` (a ``cProfile.Profile``) covers the training only."""
+def timed_rounds(config, profiler=None, extra_plugins=()) -> TimedRun:
+    """Build ``config``'s run (with ``extra_plugins`` registered, as
+    :func:`fedaval.build.build_run` takes them) and train it with its own
+    backend, timing each round; ``profiler`` (a ``cProfile.Profile``) covers
+    the training only."""
     from fedaval.backends import make_backend
     from fedaval.build import build_run
     from fedaval.coordinator import train
 
     build_start = time.perf_counter()
-    run = build_run(config, out_dir=Path(config.out))
+    run = build_run(config, extra_plugins, out_dir=Path(config.out))
     build_s = time.perf_counter() - build_start
     walls: list[float] = []
     records: list[dict[str, Any]] = []

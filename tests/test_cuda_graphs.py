@@ -195,6 +195,19 @@ def stand_in_graphs(monkeypatch):
     return fakes
 
 
+def with_and_without_graphs(tiny_config, tmp_path, settings) -> dict[bool, dict]:
+    """results.json of the run ``settings`` describe, without (``False``) and
+    with (``True``) ``--cuda-graphs``, timings and that option left out."""
+    from fedaval.api import run_training
+
+    results = {}
+    for graphs in (False, True):
+        config = tiny_config(out=str(tmp_path / str(graphs)), cuda_graphs=graphs, **settings)
+        results[graphs] = strip_timing(run_training(config))
+        results[graphs]["config"].pop("cuda_graphs")
+    return results
+
+
 SAMPLED = dict(model="cnn", scenario_options={"clients": 4, "tasks": 2}, clients_per_round=2, offload_clients="none")
 
 
@@ -202,13 +215,7 @@ def test_a_run_through_stand_in_graphs_gives_the_same_results(tiny_config, tmp_p
     """The strategy's wiring (features through the graph while training,
     eager in evaluation and for short batches, the warm-up undone) changes no
     result when a replay computes what an eager step does."""
-    from fedaval.api import run_training
-
-    results = {}
-    for graphs in (False, True):
-        config = tiny_config(out=str(tmp_path / str(graphs)), cuda_graphs=graphs, **SAMPLED)
-        results[graphs] = strip_timing(run_training(config))
-        results[graphs]["config"].pop("cuda_graphs")
+    results = with_and_without_graphs(tiny_config, tmp_path, SAMPLED)
     assert results[True] == results[False]
     assert sum(f.captures for f in stand_in_graphs) >= 4 and sum(f.replays for f in stand_in_graphs) > 0
 
@@ -243,18 +250,12 @@ def test_on_a_gpu_the_graphs_change_no_result(tiny_config, tmp_path, monkeypatch
     """Deterministic algorithms (tiny_config on a GPU): the same results.json
     with and without graphs, clients offloaded to host memory and back
     (their storages move, so graphs are captured again)."""
-    from fedaval.api import run_training
-
     captures = []
     capture = GraphedFeatures._capture
     monkeypatch.setattr(GraphedFeatures, "_capture", lambda self, x: (captures.append(x.shape), capture(self, x)))
 
     settings = dict(model=model, scenario_options={"clients": 3, "tasks": 2}, clients_per_round=2)
     settings.update(offload_clients="cpu", rounds_per_task=3)
-    results = {}
-    for graphs in (False, True):
-        config = tiny_config(out=str(tmp_path / str(graphs)), cuda_graphs=graphs, **settings)
-        results[graphs] = strip_timing(run_training(config))
-        results[graphs]["config"].pop("cuda_graphs")
+    results = with_and_without_graphs(tiny_config, tmp_path, settings)
     assert results[True] == results[False]
     assert len(captures) >= 3 and all(shape[0] == 32 for shape in captures)  # every client, at full batches
