@@ -86,11 +86,15 @@ step() {  # step SECONDS FILE COMMAND...: run with a time limit, output to $WORK
 
 if [ "${1:-}" = "--full-scale" ]; then
     # Item 4: FedProK's Table 1 (configs/repro-fedprok-table1.toml) at the paper's scale: ResNet-18
-    # on all of CIFAR-10 (docs/reproduction.md, "At the papers' scale"), one seed (SEEDS), the rows
-    # in ROWS, each under a time limit (RUN_S). A run folder with ResNet-18 checkpoints is too big to
-    # carry back, so a run must finish within one command; results.json, rounds.jsonl and
-    # config.json of each come back in session.tgz (results/<row>/), with the log of its command.
-    # DEVICE, MODEL, DATA_ROOT and FULL_SCALE_ARGS change the scale (a CPU dry run uses them).
+    # on all of CIFAR-10 (docs/reproduction.md, "At the papers' scale"). First, alone on the GPU,
+    # item 3's throughput (THROUGHPUT_S=0 skips it) and the sync-count test; then the rows in JOBS
+    # ("row:seed", a row being a key of the config's [paper.runs] in lower case, spaces as '-'),
+    # SLOTS of them at a time on the one GPU (each run is host-bound with graphs, so a few
+    # processes keep the GPU busy), every run stopped DEADLINE seconds after this script began.
+    # A run folder with ResNet-18 checkpoints is too big to carry back, so a run must finish within
+    # one command; results.json, rounds.jsonl and config.json of each come back in session.tgz
+    # (results/<run>/), with its log (t1-<row>-s<seed>.txt). DEVICE, MODEL, DATA_ROOT and
+    # FULL_SCALE_ARGS change the scale (a CPU dry run uses them).
     log "full scale on $(hostname), $(nproc) cores"
     nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1
     DATA_ROOT=${DATA_ROOT:-/tmp/cifar10-full}
@@ -99,21 +103,53 @@ if [ "${1:-}" = "--full-scale" ]; then
     fi
     log "$(find "$DATA_ROOT/train" -name '*.jpg' | wc -l) training images in $DATA_ROOT"
     DEVICE=${DEVICE:-cuda}
-    GRAPHS=$([ "${DEVICE%%:*}" = cuda ] && echo --cuda-graphs)
+    export PYTHONWARNINGS=ignore
+    if [ "${DEVICE%%:*}" = cuda ]; then
+        GRAPHS=--cuda-graphs
+        # benchmarks/cifar_data.py makes its subset from $DATA_ROOT when it is /tmp/cifar10-full
+        [ "${THROUGHPUT_S:-60}" = 0 ] ||
+            step "${THROUGHPUT_S:-60}" throughput.txt python3 benchmarks/round_throughput.py --device cuda --cuda-graphs both
+        step 60 syncs.txt env FEDAVAL_TEST_DEVICE=cuda python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_syncs.py
+    else
+        GRAPHS=
+    fi
+    # decode the images once, into fedaval's cache, before the runs read it side by side
+    step 120 decode.txt python3 -c 'import sys; from pathlib import Path; from fedaval.datasets import load_dataset
+print(load_dataset("imagefolder", Path(sys.argv[1])).train_x.shape)' "$DATA_ROOT"
+    # each row's arguments, from the config's [paper.runs]: "row<TAB>arguments"
+    python3 -c 'import tomllib, sys
+for name, args in tomllib.load(open(sys.argv[1], "rb"))["paper"]["runs"].items():
+    print(name.lower().replace(" w/o ", "-wo-").replace(" ", "-") + "\t" + args)' configs/repro-fedprok-table1.toml >"$WORK/rows.tsv"
     RUNS=${RUNS:-/tmp/gpu-runs}
-    for row in ${ROWS:-fedavg fedprok}; do
-        case $row in fedprok) method=() ;; *) method=(-p "$row") ;; esac
-        step "${RUN_S:-250}" "t1-$row.txt" python3 -c 'from fedaval.cli import main; main()' train \
-            --config configs/repro-fedprok-table1.toml "${method[@]}" --model "${MODEL:-resnet18}" \
-            --data-root "$DATA_ROOT" --device "$DEVICE" $GRAPHS --seeds "${SEEDS:-42}" ${FULL_SCALE_ARGS:-} \
-            --out "$RUNS/t1-$row" --quiet
-        for run in "$RUNS/t1-$row"-s*; do
-            [ -d "$run" ] || continue
-            mkdir -p "$WORK/results/$(basename "$run")"
-            cp "$run"/results.json "$run"/rounds.jsonl "$run"/config.json "$WORK/results/$(basename "$run")/" 2>/dev/null
-        done
-        pack
+    DEADLINE=${DEADLINE:-500}
+    run_row() {  # run_row ROW SEED: one run of Table 1, stopped at the deadline
+        local row=$1 seed=$2 args began=$(date +%s)
+        if ! cut -f1 "$WORK/rows.tsv" | grep -qx -- "$row"; then
+            log "t1-$row-s$seed: no row $row; rows: $(cut -f1 "$WORK/rows.tsv" | tr '\n' ' ')"
+            return
+        fi
+        args=$(awk -F'\t' -v r="$row" '$1 == r {print $2}' "$WORK/rows.tsv")
+        local left=$((DEADLINE - (began - T0)))
+        if [ "$left" -lt 30 ]; then log "t1-$row-s$seed: not started, $left s left"; return; fi
+        # shellcheck disable=SC2086  # args: the row's arguments, split as a shell would
+        timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train \
+            --config configs/repro-fedprok-table1.toml $args --model "${MODEL:-resnet18}" \
+            --data-root "$DATA_ROOT" --device "$DEVICE" $GRAPHS --seeds "$seed" ${FULL_SCALE_ARGS:-} \
+            --out "$RUNS/t1-$row" --quiet >"$WORK/t1-$row-s$seed.txt" 2>&1
+        log "t1-$row-s$seed: exit $? after $(($(date +%s) - began)) s (limit $left)"
+        local run=$RUNS/t1-$row-s$seed
+        mkdir -p "$WORK/results/t1-$row-s$seed"
+        cp "$run"/results.json "$run"/rounds.jsonl "$run"/config.json "$WORK/results/t1-$row-s$seed/" 2>/dev/null
+        # runs finish side by side: each packs into its own file, then renames it over session.tgz
+        tar czf "$OUT/session.tgz.$BASHPID" -C "$WORK" . 2>/dev/null
+        mv -f "$OUT/session.tgz.$BASHPID" "$OUT/session.tgz"
+    }
+    for job in ${JOBS:-fedavg:42 fedprok:42 fedavg:1999 fedprok:1999 fedavg:2024 fedprok:2024}; do
+        while [ "$(jobs -rp | wc -l)" -ge "${SLOTS:-6}" ]; do wait -n; done
+        OMP_NUM_THREADS=2 run_row "${job%%:*}" "${job##*:}" &
+        sleep 2  # start-ups (imports, the cache read) one after another
     done
+    wait
     log "done"
     pack
     exit 0
