@@ -27,6 +27,7 @@ from fedaval.plugins.fedprok_math import (
     class_prototypes,
     fuse_prototypes,
     nearest_classes,
+    plan_translation,
     pseudo_cross_entropy,
     translate_features,
 )
@@ -59,23 +60,42 @@ def test_pseudo_feature_is_real_feature_plus_prototype_difference():
     labels = T([5, 7, 5])
     new_classes, new_protos = [5, 7], T([[1.0, 0.0], [0.0, 1.0]])
     old_classes, old_protos = [2, 9], T([[2.0, 0.5], [0.0, 3.0]])  # 2 -> base 5, 9 -> base 7
-    pseudo, targets = translate_features(features, labels, old_classes, old_protos, new_classes, new_protos)
+    plan = plan_translation(old_classes, old_protos, new_classes, new_protos)
+    pseudo, targets, valid = translate_features(features, labels, plan)
     # class 2: rows 0 and 2 + (mu_2 - mu_5) = + [1, 0.5]; class 9: row 1 + (mu_9 - mu_7) = + [0, 2]
-    assert torch.allclose(pseudo, T([[2.0, 2.5], [6.0, 6.5], [3.0, 6.0]]))
-    assert targets.tolist() == [2, 2, 9]
+    assert torch.allclose(pseudo[valid], T([[2.0, 2.5], [3.0, 6.0], [6.0, 6.5]]))
+    assert targets[valid].tolist() == [2, 9, 2]
+
+
+def test_a_sample_gives_one_pseudo_feature_per_old_class_based_on_its_class():
+    # old classes 1, 2, 3 all nearest to current class 5; 4 nearest to 7: a sample of class 5 gives
+    # three pseudo features, one of class 7 gives one (and two slots of padding)
+    new_classes, new_protos = [5, 7], T([[1.0, 0.0], [0.0, 1.0]])
+    old_classes, old_protos = [1, 2, 3, 4], T([[2.0, 0.1], [3.0, 0.2], [4.0, 0.3], [0.1, 2.0]])
+    plan = plan_translation(old_classes, old_protos, new_classes, new_protos)
+    pseudo, targets, valid = translate_features(T([[0.0, 0.0], [1.0, 1.0]]), T([5, 7]), plan)
+    assert pseudo.shape == (6, 2) and targets.shape == valid.shape == (6,)
+    assert targets[valid].tolist() == [1, 2, 3, 4]
+    assert torch.allclose(pseudo[valid], T([[1.0, 0.1], [2.0, 0.2], [3.0, 0.3], [1.1, 2.0]]))
 
 
 def test_no_pseudo_features_when_the_base_class_is_not_in_the_batch():
-    pseudo, targets = translate_features(
-        T([[1.0, 1.0]]), T([7]), [2], T([[2.0, 0.0]]), [5, 7], T([[1.0, 0.0], [0.0, 1.0]])
-    )
-    assert pseudo.shape == (0, 2) and targets.numel() == 0
+    plan = plan_translation([2], T([[2.0, 0.0]]), [5, 7], T([[1.0, 0.0], [0.0, 1.0]]))
+    # class 2's base is 5; the batch holds class 7 and a class that is not current
+    pseudo, targets, valid = translate_features(T([[1.0, 1.0], [2.0, 2.0]]), T([7, 3]), plan)
+    assert not valid.any()
+    head = torch.nn.Linear(2, 10)
+    assert pseudo_cross_entropy(head(pseudo), targets, 2, valid).item() == 0.0
 
 
 def test_pseudo_cross_entropy_counts_each_pseudo_feature_like_a_batch_sample():
     # two pseudo features, uniform logits over 3 classes, minibatch of 4 real samples
     loss = pseudo_cross_entropy(torch.zeros(2, 3), T([0, 2]), batch_size=4)
     assert loss.item() == pytest.approx(2 * math.log(3) / 4)
+    # padding rows (not valid) count for nothing, however wrong their logits
+    logits = torch.cat([torch.zeros(2, 3), T([[50.0, -50.0, 0.0]])])
+    padded = pseudo_cross_entropy(logits, T([0, 2, 1]), batch_size=4, valid=T([True, True, False]))
+    assert padded.item() == pytest.approx(2 * math.log(3) / 4)
 
 
 def test_fusion_weighted_mean_for_new_and_ema_for_known_classes():
@@ -286,23 +306,23 @@ def test_previous_classes_are_the_clients_own_earlier_task_classes(tiny_config, 
     from fedaval.plugins import fedprok
 
     seen = []  # (client's own earlier classes less current, classes translated)
-    original = fedprok.translate_features
+    original = fedprok.plan_translation
 
     class Who:
         name = "who"
         client = None
 
         @hookimpl(tryfirst=True)
-        def fedaval_client_loss(self, run, client, batch):
+        def fedaval_client_epoch_start(self, run, client, epoch):
             Who.client = client
 
-    def spy(features, labels, old_classes, *args):
+    def spy(old_classes, *args):
         c = Who.client
         own = {k for t in range(c.task) for k in c.tasks.classes[t]} - set(c.tasks.classes[c.task])
         seen.append((own, set(old_classes)))
-        return original(features, labels, old_classes, *args)
+        return original(old_classes, *args)
 
-    monkeypatch.setattr(fedprok, "translate_features", spy)
+    monkeypatch.setattr(fedprok, "plan_translation", spy)
     results = run_training(
         tiny_config(
             plugins=["fedprok"],

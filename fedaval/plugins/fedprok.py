@@ -106,8 +106,10 @@ from fedaval import hookimpl
 from fedaval.options import non_negative, option, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.plugins.fedprok_math import (
+    Translation,
     class_prototypes,
     fuse_prototypes,
+    plan_translation,
     pseudo_cross_entropy,
     translate_features,
 )
@@ -119,6 +121,7 @@ COUNTS_KEY = "fedprok_counts"
 LIBRARY = StashKey[dict]("fedprok.library")  # class -> prototype: the client's prototype list
 CURRENT = StashKey[dict]("fedprok.current")  # class -> (prototype, count) of the current task
 REFRESH = StashKey[dict]("fedprok.refresh")  # class -> (prototype, count) of the previous task, re-measured
+PLAN = StashKey[Translation]("fedprok.plan")  # this round's translation (Eq. 8), while the client trains
 REFRESH_KEY = "fedprok_refreshed"
 REFRESH_COUNTS_KEY = "fedprok_refreshed_counts"
 
@@ -202,6 +205,27 @@ class FedProK(Plugin):
             client.model.features.eval()
         if epoch == 0:
             client.stash[CURRENT] = self.compute_prototypes(run, client)
+            client.stash.pop(PLAN, None)
+            if self.options.translation and client.task >= 1:
+                plan = self.plan(client)
+                if plan is not None:
+                    client.stash[PLAN] = plan
+
+    def plan(self, client) -> Translation | None:
+        """Eq. 8's translation for this round: the client's previous classes
+        (reading 6) that its prototype list holds, onto the current task's
+        classes; None when either side is empty. Made once per round, when
+        the current prototypes are (Algorithm 1, line 4): neither changes
+        while the client trains."""
+        current = client.stash.get(CURRENT) or {}
+        library = client.stash.get(LIBRARY) or {}
+        old = [c for c in self.previous_classes(client) if c in library and c not in current]
+        if not old or not current:
+            return None
+        new = sorted(current)
+        return plan_translation(
+            old, torch.stack([library[c] for c in old]), new, torch.stack([current[c][0] for c in new])
+        )
 
     def compute_prototypes(self, run, client, task: int | None = None) -> dict[int, tuple[Any, int]]:
         """Eq. 5 on the client's training data of ``task`` (default: the
@@ -224,27 +248,12 @@ class FedProK(Plugin):
 
     @hookimpl
     def fedaval_client_loss(self, run, client, batch):
-        if not self.options.translation or client.task < 1:
+        plan = client.stash.get(PLAN)
+        if plan is None:
             return None
-
-        current = client.stash.get(CURRENT) or {}
-        library = client.stash.get(LIBRARY) or {}
-        old = [c for c in self.previous_classes(client) if c in library and c not in current]
-        if not old or not current:
-            return None
-        new = sorted(current)
-        pseudo, labels = translate_features(
-            batch.features.detach(),
-            batch.y,
-            old,
-            torch.stack([library[c] for c in old]),
-            new,
-            torch.stack([current[c][0] for c in new]),
-        )
-        if len(labels) == 0:
-            return {"pseudo_ce": batch.loss.new_zeros(())}
+        pseudo, labels, valid = translate_features(batch.features.detach(), batch.y, plan)
         logits = client.model.classifier(pseudo)
-        return {"pseudo_ce": self.options.weight * pseudo_cross_entropy(logits, labels, len(batch.y))}
+        return {"pseudo_ce": self.options.weight * pseudo_cross_entropy(logits, labels, len(batch.y), valid)}
 
     @hookimpl(wrapper=True)
     def fedaval_client_train(self, run, client, round):
@@ -267,16 +276,11 @@ class FedProK(Plugin):
         the last epoch's mean loss."""
         from fedaval.prototypes import extract_features
 
-        current = client.stash.get(CURRENT) or {}
-        library = client.stash.get(LIBRARY) or {}
-        old = [c for c in self.previous_classes(client) if c in library and c not in current]
+        plan = client.stash.get(PLAN)
         exp = client.train_stream[client.task]
-        if not old or not current or exp is None:
+        if plan is None or exp is None:
             return None
         features, labels = extract_features(client.model, exp.dataset, run.device)
-        new = sorted(current)
-        old_protos = torch.stack([library[c] for c in old])
-        new_protos = torch.stack([current[c][0] for c in new])
         head, config = client.model.classifier, run.config
         optimizer = torch.optim.SGD(
             head.parameters(),
@@ -286,27 +290,27 @@ class FedProK(Plugin):
         )
         mode = head.training
         head.train()
-        last = 0.0
+        total = features.new_zeros(())
+        steps = 0
         try:
             for _ in range(self.options.head_epochs):
-                total, steps = 0.0, 0
+                total, steps = features.new_zeros(()), 0  # summed on the device: no wait for the GPU per step
                 for batch in torch.randperm(len(labels), device=features.device).split(config.batch_size):
                     f, y = features[batch], labels[batch]
-                    pseudo, targets = translate_features(f, y, old, old_protos, new, new_protos)
+                    pseudo, targets, valid = translate_features(f, y, plan)
                     loss = torch.nn.functional.cross_entropy(head(f), y)
-                    if len(targets):
-                        loss = loss + pseudo_cross_entropy(head(pseudo), targets, len(y))
+                    loss = loss + pseudo_cross_entropy(head(pseudo), targets, len(y), valid)
                     optimizer.zero_grad()
                     loss.backward()
                     optimizer.step()
-                    total, steps = total + float(loss), steps + 1
-                last = total / max(steps, 1)
+                    total, steps = total + loss.detach(), steps + 1
         finally:
             head.train(mode)
-        return last
+        return float(total) / max(steps, 1)
 
     @hookimpl
     def fedaval_client_upload(self, run, client):
+        client.stash.pop(PLAN, None)  # the round's; not kept between rounds
         if not self.frozen(client):  # reading 2: the prototypes of the weights uploaded with them
             client.stash[CURRENT] = self.compute_prototypes(run, client)
         current = client.stash.get(CURRENT) or {}

@@ -4,6 +4,8 @@ functions on tensors, tested against hand-computed values in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -27,39 +29,76 @@ def nearest_classes(old_protos: torch.Tensor, new_protos: torch.Tensor) -> torch
     return (old @ new.T).argmax(dim=1)
 
 
+@dataclass(frozen=True)
+class Translation:
+    """FedProK Eq. 8 for one round, laid out so that a minibatch is translated
+    without a host-device synchronisation (on a GPU the per-class masks of a
+    direct translation cost four each per old class and minibatch, most of a
+    round with the classifier fit of reading 8).
+
+    ``targets`` [P]: the old classes; ``shifts`` [P, D]: ``mu_p - mu_n`` for
+    each, ``n`` its base class (:func:`nearest_classes`); ``bases`` [N]: the
+    current classes; ``slots`` [N, K]: row ``j`` lists the old classes (indices
+    into ``targets``, in the given order) whose base class is ``bases[j]``,
+    padded with -1 to the longest list's length ``K``."""
+
+    targets: torch.Tensor
+    shifts: torch.Tensor
+    bases: torch.Tensor
+    slots: torch.Tensor
+
+
+def plan_translation(
+    old_classes: list[int], old_protos: torch.Tensor, new_classes: list[int], new_protos: torch.Tensor
+) -> Translation:
+    """The :class:`Translation` of the old classes ``old_classes`` (rows of
+    ``old_protos`` [P, D]) onto the current ones (rows of ``new_protos``
+    [N, D]); made once per round (it reads the base classes back to the host
+    once)."""
+    base = nearest_classes(old_protos, new_protos).tolist()
+    groups = [[p for p, b in enumerate(base) if b == j] for j in range(len(new_classes))]
+    width = max(len(g) for g in groups)
+    device = old_protos.device
+    return Translation(
+        targets=torch.tensor(old_classes, dtype=torch.long, device=device),
+        shifts=old_protos - new_protos[base],
+        bases=torch.tensor(new_classes, dtype=torch.long, device=device),
+        slots=torch.tensor([g + [-1] * (width - len(g)) for g in groups], dtype=torch.long, device=device),
+    )
+
+
 def translate_features(
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    old_classes: list[int],
-    old_protos: torch.Tensor,
-    new_classes: list[int],
-    new_protos: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    features: torch.Tensor, labels: torch.Tensor, plan: Translation
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FedProK Eq. 8 (FeTrIL): pseudo features of the previous classes.
 
-    For each old class ``p`` (row of ``old_protos``), its base class ``n`` is
-    :func:`nearest_classes`; every sample of ``features`` labelled ``n`` gives
-    one pseudo feature ``f(x_n) + mu_p - mu_n`` labelled ``p``. Returns
-    ``(pseudo features [M, D], labels [M])``, old classes in the given order,
-    samples in batch order; ``M = 0`` when no base class is in ``labels``."""
-    base = nearest_classes(old_protos, new_protos)
-    parts, targets = [], []
-    for i, p in enumerate(old_classes):
-        j = int(base[i])
-        mask = labels == new_classes[j]
-        if not bool(mask.any()):
-            continue
-        parts.append(features[mask] + (old_protos[i] - new_protos[j]))
-        targets.append(torch.full((int(mask.sum()),), p, dtype=torch.long, device=features.device))
-    if not parts:
-        return features.new_zeros((0, features.shape[1])), torch.zeros(0, dtype=torch.long, device=features.device)
-    return torch.cat(parts), torch.cat(targets)
+    Every sample of ``features`` [B, D] whose label is the base class ``n`` of
+    an old class ``p`` gives one pseudo feature ``f(x_n) + mu_p - mu_n``
+    labelled ``p``. Shapes do not depend on the labels (so nothing waits for
+    the GPU): returns ``(pseudo [B*K, D], targets [B*K], valid [B*K])``, for
+    each sample in batch order its ``K`` slots of the plan in the old
+    classes' order; ``valid`` marks the pseudo features that exist (the base
+    class is the sample's label), the others are padding that
+    :func:`pseudo_cross_entropy` leaves out."""
+    match = labels.unsqueeze(1) == plan.bases.unsqueeze(0)  # [B, N]: the sample's current class, if any
+    row = match.long().argmax(dim=1)
+    slot = plan.slots[row]  # [B, K]
+    valid = (slot >= 0) & match.any(dim=1, keepdim=True)
+    slot = slot.clamp(min=0)
+    pseudo = features.unsqueeze(1) + plan.shifts[slot]  # [B, K, D]
+    return pseudo.flatten(0, 1), plan.targets[slot].flatten(), valid.flatten()
 
 
-def pseudo_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Reading 3: ``sum_i CE(logits_i, labels_i) / batch_size``, so a pseudo
+def pseudo_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, batch_size: int, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reading 3: ``sum_i CE(logits_i, labels_i) / batch_size`` over the
+    pseudo features ``i`` (the rows where ``valid``, when given), so a pseudo
     feature weighs as much as a real sample of the minibatch."""
-    return torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / max(batch_size, 1)
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    if valid is not None:
+        ce = torch.where(valid, ce, ce.new_zeros(()))
+    return ce.sum() / max(batch_size, 1)
 
 
 def fuse_prototypes(
