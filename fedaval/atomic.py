@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,12 +14,24 @@ from typing import IO, Any
 
 
 @contextmanager
-def atomic_file(path: Path, mode: str = "wb", sync: bool = True) -> Iterator[IO]:
+def atomic_file(path: Path, mode: str = "wb", sync: bool = True, shared: bool = False) -> Iterator[IO]:
     """Open ``path.tmp`` for writing; when the block ends without error, flush
     it (and fsync it, with ``sync``) and rename it to ``path``. On an error
     (a full disk, say) the temporary file is removed and ``path`` is left as
-    it was; a temporary file left by a kill is simply overwritten next time."""
-    tmp = path.with_name(path.name + ".tmp")
+    it was; a temporary file left by a kill is simply overwritten next time.
+
+    ``shared``: other processes may write ``path`` at the same moment (the
+    dataset cache, which runs started side by side build together). Each
+    writer then gets a temporary file of its own (``path.<random>.tmp``), so
+    each renames a complete file and the last rename wins; with one name for
+    all, a writer found its file renamed by another and failed. One left by
+    a kill is not overwritten later: it stays until removed."""
+    if shared:
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        os.close(handle)
+        tmp = Path(name)
+    else:
+        tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, mode) as fh:
             yield fh

@@ -249,7 +249,7 @@ def _load_cached(
     if derived is not None:
         data.update(derived[1](data))
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as fh:
+    with atomic_file(path, shared=True) as fh:  # runs side by side may build the same cache
         torch.save(data, fh)
     return data
 

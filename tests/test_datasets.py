@@ -160,3 +160,32 @@ def test_normalisation_is_computed_once_and_kept_in_the_cache(tmp_path, cifar10_
     assert (upgraded.mean, upgraded.std) == (first.mean, first.std) and len(calls) == 1
     assert "mean" in torch.load(path, weights_only=True)
     assert load_dataset("imagefolder", root).mean == first.mean and len(calls) == 1
+
+
+def test_runs_building_the_same_cache_at_once_both_finish(tmp_path, cifar10_root, monkeypatch):
+    """Runs started side by side (one per seed) decode the same new folder
+    together and both write its cache. Here the second run writes it while
+    the first is writing. With one temporary name for every writer, the
+    first then found its file renamed away (FileNotFoundError: a run of
+    ``benchmarks/reproduce.py --jobs 2`` failed so); each writer now has its
+    own, and the cache holds one complete copy."""
+    from fedaval import datasets
+
+    root = tmp_path / "cifar"
+    shutil.copytree(cifar10_root, root)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FEDAVAL_CACHE", str(cache))
+    real_save, saves, other = torch.save, [], []
+
+    def save(obj, f, *args, **kwargs):
+        saves.append(1)
+        if len(saves) == 1:  # the first run is writing: the other one loads, and writes, meanwhile
+            other.append(load_dataset("imagefolder", root))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    first = load_dataset("imagefolder", root)
+    assert len(saves) == 2 and torch.equal(first.train_x, other[0].train_x)
+    path = datasets._cache_path("imagefolder", root)
+    assert [p.name for p in cache.iterdir()] == [path.name]  # no temporary file left
+    assert torch.equal(torch.load(path, weights_only=True)["train_x"], first.train_x)
