@@ -11,9 +11,9 @@ for 20 epochs on the round's features (its plugin's readings 3 and 8), which
 FedAvg does not. Printed per method: the clients' local training seconds per
 round (``seconds_local``), median over the rounds of tasks 1 to 4, and
 FedProK's ratio to FedAvg, both runs in this one invocation. At full scale on
-a GPU that ratio was about 14 before FedProK's translation stopped waiting
-for the GPU in every minibatch (docs/reproduction.md, "At the papers'
-scale"). ``PYTHONPATH`` chooses which fedaval is timed (an older checkout
+a GPU a FedProK round took some 25 times FedAvg's before its translation
+stopped waiting for the GPU in every minibatch (docs/reproduction.md, "At
+the papers' scale"). ``PYTHONPATH`` chooses which fedaval is timed (an older checkout
 gives the before number). Not a test: nothing is asserted.
 """
 
