@@ -65,7 +65,7 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
     run.data = load_dataset(config.dataset, config.data_root, config.download, run.datasets)
     run.num_classes = run.data.num_classes
     run.augment = config.augment = resolve_augment(config.augment, run.data)
-    run.black = black(run.data)
+    run.black = black(run.data).to(run.device)  # used every minibatch: a copy each time would wait for the GPU
     rng = np.random.default_rng(config.seed)
     run.partition = spec.build(run.scenario_options, run.data.train_y.numpy(), run.num_classes, rng)
     run.num_tasks = run.partition.num_tasks

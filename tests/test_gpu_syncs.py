@@ -43,12 +43,15 @@ def synchronisations(run, round: int) -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize("model", ["auto", "cnn"])
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_a_round_does_not_synchronise_per_minibatch(tiny_config, model, cuda_graphs):
+@pytest.mark.parametrize("augment", ["none", "standard"])
+def test_a_round_does_not_synchronise_per_minibatch(tiny_config, model, cuda_graphs, augment):
+    """``augment=standard`` (CIFAR's default): its padding value was kept on the CPU and copied to the
+    GPU, with a wait, in every minibatch."""
     from fedaval.build import build_run
     from fedaval.coordinator import run_round
 
     # batch 8: some 40 minibatches per client and round; no evaluation in round 2
-    run = build_run(tiny_config(model=model, batch_size=8, eval_every=10, cuda_graphs=cuda_graphs))
+    run = build_run(tiny_config(model=model, batch_size=8, eval_every=10, cuda_graphs=cuda_graphs, augment=augment))
     run.server.begin_task(0)
     run_round(run, 1)  # CUDA's and the graphs' set-up
     syncs, places = synchronisations(run, 2)
