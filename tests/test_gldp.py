@@ -20,6 +20,7 @@ from fedaval.plugins.gldp_math import (
     class_frequency_weights,
     global_relation_loss,
     local_relation_loss,
+    relation_plan,
 )
 from fedaval.plugins.personal import part_of_epoch, personal_shared_keys, resolve_phases
 from fedaval.prototypes import (
@@ -84,13 +85,20 @@ def test_class_frequency_weights():
     assert class_frequency_weights(torch.tensor([0, 0, 0, 1])) == {0: 0.75, 1: 0.25}
 
 
+def plan(old=None, global_set=None, weights=None, num_classes=8):
+    return relation_plan(old or {}, global_set or {}, weights or {}, num_classes, dim=2, device="cpu")
+
+
 def test_global_relation_loss_eq10_weighted_mse():
-    current = {0: t(1, 1), 1: t(0, 2), 3: t(9, 9)}
+    # the minibatch's class means: 0 -> (1, 1) (from (0, 0) and (2, 2)), 1 -> (0, 2), 3 -> (9, 9)
+    features, labels = t([0, 0], [2, 2], [0, 2], [9, 9]), torch.tensor([0, 0, 1, 3])
     global_set = {0: t(0, 0), 1: t(0, 0), 2: t(5, 5)}
-    # class 3 has no global prototype: left out; 0.75 * mean(1, 1) + 0.25 * mean(0, 4)
-    loss = global_relation_loss(current, global_set, {0: 0.75, 1: 0.25, 3: 1.0})
+    # class 3 has no global prototype and class 2 no sample: left out; 0.75 * mean(1, 1) + 0.25 * mean(0, 4)
+    loss = global_relation_loss(features, labels, plan(global_set=global_set, weights={0: 0.75, 1: 0.25, 3: 1.0}))
     assert loss.item() == pytest.approx(0.75 * 1 + 0.25 * 2)
-    assert global_relation_loss({3: t(1, 1)}, global_set, {3: 1.0}) is None
+    only_3 = global_relation_loss(t([1, 1]), torch.tensor([3]), plan(global_set=global_set, weights={3: 1.0}))
+    assert only_3.item() == 0.0
+    assert global_relation_loss(features, labels, plan(weights={0: 1.0})) is None  # no global prototype
 
 
 def test_local_relation_loss_eq8_reading():
@@ -101,20 +109,19 @@ def test_local_relation_loss_eq8_reading():
     q = torch.softmax(t(-2.0, -1.0), 0)
     expected = float((p0 * (p0.log() - q.log())).sum())
     features, labels = t([2.0, 0.0], [5.0, 5.0]), torch.tensor([0, 5])  # class 5 has no old prototype
-    assert local_relation_loss(features, labels, old).item() == pytest.approx(expected, rel=1e-5)
+    assert local_relation_loss(features, labels, plan(old)).item() == pytest.approx(expected, rel=1e-5)
     # a sample on its old prototype costs nothing; mean over the samples with an old prototype
-    two = local_relation_loss(t([2.0, 0.0], [0.0, 0.0]), torch.tensor([0, 0]), old)
+    two = local_relation_loss(t([2.0, 0.0], [0.0, 0.0]), torch.tensor([0, 0]), plan(old))
     assert two.item() == pytest.approx(expected / 2, rel=1e-5)
-    assert local_relation_loss(features[1:], labels[1:], old) is None
-    assert local_relation_loss(features, labels, {}) is None
+    assert local_relation_loss(features[1:], labels[1:], plan(old)).item() == 0.0  # no sample has one
+    assert local_relation_loss(features, labels, plan()) is None  # no old prototype at all
 
 
 def test_losses_are_differentiable_in_the_features():
     features = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=True)
     labels = torch.tensor([0, 0])
-    current, _ = class_means(features, labels)
-    old = {0: t(2, 0), 1: t(0, 2)}
-    loss = global_relation_loss(current, {0: t(0, 0)}, {0: 1.0}) + local_relation_loss(features, labels, old)
+    both = plan(old={0: t(2, 0), 1: t(0, 2)}, global_set={0: t(0, 0)}, weights={0: 1.0})
+    loss = global_relation_loss(features, labels, both) + local_relation_loss(features, labels, both)
     loss.backward()
     assert features.grad is not None and features.grad.abs().sum() > 0
 
@@ -141,12 +148,13 @@ def test_local_relation_loss_keeps_old_prototypes_in_place():
         mask = torch.isin(y, torch.tensor(classes))
         xs, ys = x[mask], y[mask]
         gen = torch.Generator().manual_seed(0)
+        stored_plan = relation_plan(stored, {}, {}, 10, dim=16, device="cpu") if stored else None
         for _ in range(steps):
             idx = torch.randint(len(ys), (32,), generator=gen)
             f = base(xs[idx])
             loss = torch.nn.functional.cross_entropy(head(f), ys[idx])
-            if stored:
-                loss = loss + lam * local_relation_loss(f, ys[idx], stored)
+            if stored_plan is not None:
+                loss = loss + lam * local_relation_loss(f, ys[idx], stored_plan)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -45,9 +45,11 @@ from fedaval import hookimpl
 from fedaval.options import option, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.plugins.gldp_math import (
+    RelationPlan,
     class_frequency_weights,
     global_relation_loss,
     local_relation_loss,
+    relation_plan,
 )
 from fedaval.plugins.personal import PersonalHead, resolve_phases
 from fedaval.prototypes import (
@@ -64,6 +66,7 @@ ENTRY = "gldp_prototypes"
 LOCAL = StashKey[PrototypeSet]("gldp.local")  # C^_i: the local set (Eq. 9, after every local round)
 RECEIVED = StashKey[PrototypeSet]("gldp.received")  # the global set last received
 WEIGHTS = StashKey[dict]("gldp.weights")  # T_i^n / T_i of the current task
+PLAN = StashKey[RelationPlan]("gldp.plan")  # the losses' constant side this round, while the client trains
 
 
 def _at_least_zero(value) -> str | None:
@@ -122,17 +125,28 @@ class GLDP(PersonalHead, Plugin):
     @hookimpl
     def fedaval_client_receive(self, run, client, download):
         client.stash[RECEIVED] = dict(download.get(ENTRY) or {})
+        client.stash.pop(PLAN, None)
 
     @hookimpl
     def fedaval_client_task_start(self, run, client, task):
         client.stash[WEIGHTS] = class_frequency_weights(run.data.train_y[client.tasks.indices[task]])
+        client.stash.pop(PLAN, None)
 
     @hookimpl
     def fedaval_client_loss(self, run, client, batch):
-        current, _ = class_means(batch.features, batch.y)
+        plan = client.stash.get(PLAN)
+        if plan is None:  # the local set, the received global set and the weights stay put while it trains
+            plan = client.stash[PLAN] = relation_plan(
+                client.stash.get(LOCAL, {}),
+                client.stash.get(RECEIVED, {}),
+                client.stash.get(WEIGHTS, {}),
+                run.num_classes,
+                batch.features.shape[1],
+                batch.features.device,
+            )
         lam = self.options.lam
-        l_lp = local_relation_loss(batch.features, batch.y, client.stash.get(LOCAL, {}))
-        l_gp = global_relation_loss(current, client.stash.get(RECEIVED, {}), client.stash.get(WEIGHTS, {}))
+        l_lp = local_relation_loss(batch.features, batch.y, plan)
+        l_gp = global_relation_loss(batch.features, batch.y, plan)
         zero = batch.features.new_zeros(())
         return {
             "gldp_lp": zero if l_lp is None else lam * l_lp,
@@ -143,6 +157,7 @@ class GLDP(PersonalHead, Plugin):
     def fedaval_client_upload(self, run, client):
         """Algorithm 1, lines 14-15: this round's prototypes C_i (Eq. 6) are
         uploaded and folded into the local set (Eq. 9)."""
+        client.stash.pop(PLAN, None)  # the local set changes now
         exp = client.train_stream[client.task]
         if exp is None:
             return None
