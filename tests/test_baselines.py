@@ -128,13 +128,13 @@ def test_apfl_personal_step_by_hand():
     assert loss.item() == pytest.approx(4.0)
     # v <- 3 - 0.1 * alpha * g = 3 - 0.2; alpha <- 0.5 - 0.01 * (3 - 1) * 4
     assert v["weight"].item() == pytest.approx(2.8)
-    assert alpha == pytest.approx(0.42)
+    assert float(alpha) == pytest.approx(0.42)
     assert model.weight.item() == 1.0 and model.weight.grad is None  # w untouched
     # alpha is clipped to [0, 1]
     _, alpha = personal_step(model, v, {}, 0.5, x, y, loss_fn, lr=0.1, alpha_lr=1.0)
-    assert alpha == 0.0
+    assert float(alpha) == 0.0
     _, fixed = personal_step(model, v, {}, 0.5, x, y, loss_fn, lr=0.1, alpha_lr=1.0, adaptive=False)
-    assert fixed == 0.5
+    assert float(fixed) == 0.5
 
 
 def test_apfl_evaluation_uses_the_mixture_and_restores_w():

@@ -51,7 +51,7 @@ from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
 PERSONAL = StashKey[tuple]("apfl.personal")  # (parameters, buffers) of v_i
-ALPHA = StashKey[float]("apfl.alpha")
+ALPHA = StashKey[float | torch.Tensor]("apfl.alpha")  # the option's float, then a 0-dim float64 tensor
 
 
 def mix(v, w, alpha):
@@ -72,9 +72,15 @@ def personal_step(model, v_params, v_buffers, alpha, x, y, loss_fn, lr, alpha_lr
 
     ``v_params`` (leaf tensors) are updated in place and ``v_buffers`` by the
     forward pass; ``model``'s own weights are neither read for gradient nor
-    changed. Returns ``(loss, new alpha)``."""
+    changed. ``alpha`` is a float or a 0-dim tensor. Returns ``(loss, new
+    alpha)``, the new alpha a 0-dim float64 tensor on the model's device
+    (the same float64 arithmetic as Python floats): nothing in the step waits
+    for the GPU. With alpha on the CPU, autograd copied its gradient back to
+    the host once per parameter tensor of every minibatch (124 waits a step
+    for ResNet-18)."""
     w = {name: p.detach() for name, p in model.named_parameters()}
-    a = torch.tensor(float(alpha), requires_grad=adaptive)
+    alpha = torch.as_tensor(alpha, dtype=torch.float64, device=next(iter(w.values())).device)
+    a = alpha.float().requires_grad_(adaptive)
     mixed = {name: a * v_params[name] + (1 - a) * w[name] for name in w}
     loss = loss_fn(functional_call(model, {**mixed, **v_buffers}, (x,)), y)
     inputs = [v_params[name] for name in w] + ([a] if adaptive else [])
@@ -83,7 +89,7 @@ def personal_step(model, v_params, v_buffers, alpha, x, y, loss_fn, lr, alpha_lr
         for name, g in zip(w, grads):
             v_params[name].sub_(lr * g)
     if adaptive:
-        alpha = min(1.0, max(0.0, float(alpha) - alpha_lr * float(grads[-1])))
+        alpha = (alpha - alpha_lr * grads[-1].double()).clamp(0.0, 1.0)
     return loss.detach(), alpha
 
 
@@ -136,7 +142,7 @@ class APFL(Plugin):
             return state
         params, buffers = client.stash[PERSONAL]
         w = {name: state[name] for name in params}
-        state.update({k: t.detach() for k, t in mix(params, w, client.stash[ALPHA]).items()})
+        state.update({k: t.detach() for k, t in mix(params, w, float(client.stash[ALPHA])).items()})
         state.update({k: b.detach().clone() for k, b in buffers.items()})
         return state
 
@@ -153,7 +159,7 @@ class APFL(Plugin):
 
     @hookimpl
     def fedaval_round_metrics(self, run, round):
-        alphas = [run.clients[k].stash[ALPHA] for k in run.schedule[round - 1] if ALPHA in run.clients[k].stash]
+        alphas = [float(run.clients[k].stash[ALPHA]) for k in run.schedule[round - 1] if ALPHA in run.clients[k].stash]
         if not alphas:
             return None
         return {"apfl_mean_alpha": sum(alphas) / len(alphas)}
