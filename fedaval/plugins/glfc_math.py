@@ -30,13 +30,14 @@ def compensation_weights(logits: torch.Tensor, y: torch.Tensor, is_old: torch.Te
     run over the minibatch's samples of that group. Each group's weights
     then average 1: neither group dominates the gradient by its size, and
     within a group, samples with larger gradients weigh more. A group whose
-    gradients are all 0 gets weight 0."""
+    gradients are all 0 gets weight 0 (as does an empty group). Computed
+    with masks over the whole minibatch: nothing waits for the GPU."""
     g = gradient_measures(logits, y)
     w = torch.zeros_like(g)
     for group in (is_old, ~is_old):
-        if bool(group.any()):
-            mean = g[group].mean()
-            w[group] = g[group] / mean if float(mean) > 0 else 0.0
+        members = group.to(g.dtype)
+        mean = (g * members).sum() / members.sum().clamp(min=1)
+        w = torch.where(group & (mean > 0), g / mean, w)
     return w
 
 
@@ -53,12 +54,19 @@ def compensated_cross_entropy(logits: torch.Tensor, y: torch.Tensor, is_old: tor
 
 
 def relation_distillation(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, old_classes: Sequence[int], temperature: float
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    old_classes: Sequence[int] | torch.Tensor,
+    temperature: float,
 ) -> torch.Tensor:
     """``L_RD = 1/b sum_i KL(softmax(t_i[old]/T) || softmax(s_i[old]/T))``:
     the current model keeps the old model's relations between the old
-    classes (``old_classes``, columns of both logits)."""
-    cols = torch.as_tensor(list(old_classes), device=student_logits.device, dtype=torch.long)
+    classes (``old_classes``, columns of both logits; a tensor on the
+    logits' device is used as it is, with no copy to wait for)."""
+    if isinstance(old_classes, torch.Tensor):
+        cols = old_classes.to(student_logits.device, torch.long)
+    else:
+        cols = torch.as_tensor(list(old_classes), device=student_logits.device, dtype=torch.long)
     log_s = F.log_softmax(student_logits[:, cols] / temperature, dim=1)
     log_t = F.log_softmax(teacher_logits[:, cols] / temperature, dim=1)
     return (log_t.exp() * (log_t - log_s)).sum(dim=1).mean()
