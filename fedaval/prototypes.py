@@ -9,6 +9,7 @@ methods (GLDP, FedProK, PFCL...) keep the sets and call these.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -28,6 +29,15 @@ def class_means(features: torch.Tensor, labels: torch.Tensor) -> tuple[Prototype
         means[int(c)] = features[mask].mean(dim=0)
         counts[int(c)] = int(mask.sum())
     return means, counts
+
+
+@functools.lru_cache(maxsize=64)
+def class_index(classes: tuple[int, ...], device: str) -> torch.Tensor:
+    """``classes`` as a long tensor on ``device`` (``str(tensor.device)``),
+    made once per list and device: a Python list copied to a GPU waits for
+    it, and the prototype methods index with the same few class lists
+    minibatch after minibatch. The tensor is shared: do not change it."""
+    return torch.tensor(classes, dtype=torch.long, device=device)
 
 
 def ema_update(old: Mapping[int, torch.Tensor], new: Mapping[int, torch.Tensor], beta: float) -> PrototypeSet:
@@ -68,7 +78,7 @@ def nearest_prototype_scores(
     bank = torch.stack([prototypes[c].to(features.device, features.dtype) for c in classes])
     distances = torch.cdist(features, bank)
     scores = torch.full((features.shape[0], num_classes), float("-inf"), device=features.device, dtype=features.dtype)
-    scores[:, torch.tensor(classes, device=features.device)] = -distances
+    scores[:, class_index(tuple(classes), str(features.device))] = -distances
     return scores
 
 
