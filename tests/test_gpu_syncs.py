@@ -63,14 +63,15 @@ def test_a_round_does_not_synchronise_per_minibatch(tiny_config, model, cuda_gra
     assert syncs < minibatches / 2, f"{syncs} syncs for {minibatches} minibatches, at {places}"
 
 
-@pytest.mark.parametrize("plugin", ["fedprok", "gldp", "apfl", "glfc", "pfcl"])
+@pytest.mark.parametrize("plugin", ["fedprok", "gldp", "apfl", "glfc", "pfcl", "target", "ficarl", "fedspace"])
 def test_a_methods_round_does_not_synchronise_per_minibatch(tiny_config, tmp_path, plugin):
     """FedProK's feature translation (Eq. 8), in the local minibatches and
     in the classifier fit of its reading 8; GLDP's relation losses (Eqs. 7/8
     and 10); APFL's personal step (its alpha on the CPU: a copy back per
     parameter tensor); GLFC's compensated cross-entropy and relation
     distillation (group means read back, class lists copied to the GPU);
-    PFCL's prototype regulariser and prototype classifier (the same).
+    PFCL's prototype regulariser and prototype classifier (the same);
+    TARGET's, FediCaRL's and FedSpace's class lists copied to the GPU.
     Each waited for the GPU several times per minibatch: at full scale (ResNet-18,
     CIFAR-10, four runs sharing an H200) a FedProK round took 53 to 66 s
     against FedAvg's 1.8 to 2.7 s (docs/reproduction.md).
@@ -87,6 +88,7 @@ def test_a_methods_round_does_not_synchronise_per_minibatch(tiny_config, tmp_pat
     for batch_size in (8, 4):
         config = tiny_config(
             plugins=[plugin],
+            model="cnn" if plugin == "target" else "auto",  # TARGET's generator matches BatchNorm statistics
             scenario_options={"clients": 2, "tasks": 3},
             rounds_per_task=1,
             batch_size=batch_size,

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from fedaval.prototypes import class_index
+
 
 def distillation_loss(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, classes: Sequence[int] | None, temperature: float
@@ -24,7 +26,7 @@ def distillation_loss(
     ``classes`` (all columns when ``None``). Zero when the student's scores
     equal the teacher's on those classes (up to a constant shift)."""
     if classes is not None:
-        cols = torch.as_tensor(list(classes), dtype=torch.long, device=student_logits.device)
+        cols = class_index(tuple(classes), str(student_logits.device))
         student_logits, teacher_logits = student_logits[:, cols], teacher_logits[:, cols]
     log_s = F.log_softmax(student_logits / temperature, dim=1)
     log_t = F.log_softmax(teacher_logits / temperature, dim=1)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fedaval.prototypes import class_index
+
 Bank = dict[int, tuple[torch.Tensor, torch.Tensor, int]]
 
 
@@ -72,7 +74,7 @@ def pseudo_features(
     k, dim = prototypes.shape
     pick = torch.randint(k, (count,), generator=generator, device=prototypes.device)
     noise = torch.randn(count, dim, generator=generator, device=prototypes.device, dtype=prototypes.dtype)
-    labels = torch.as_tensor(classes, device=prototypes.device)[pick]
+    labels = class_index(tuple(classes), str(prototypes.device))[pick]
     return prototypes[pick] + radii[pick].unsqueeze(1) * noise, labels
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fedaval.prototypes import class_index
+
 
 def normalise(features: torch.Tensor) -> torch.Tensor:
     """Rows scaled to unit L2 norm (a zero row stays zero)."""
@@ -75,7 +77,7 @@ def taught_scores(logits: torch.Tensor, classes: list[int]) -> torch.Tensor:
     if not classes:
         return logits
     keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
-    keep[torch.as_tensor(classes, device=logits.device)] = True
+    keep[class_index(tuple(classes), str(logits.device))] = True
     return logits.masked_fill(~keep, float("-inf"))
 
 
@@ -94,7 +96,7 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, new_classes:
     Outputs of other classes take no part."""
     if not new_classes:
         return logits.sum() * 0.0
-    index = torch.as_tensor(new_classes, device=logits.device)
+    index = class_index(tuple(new_classes), str(logits.device))
     targets = (labels.unsqueeze(1) == index.unsqueeze(0)).to(logits.dtype)
     return _bce_sum(logits[:, index], targets)
 
@@ -106,6 +108,6 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, old_cl
     old class ``y`` (a constant target)."""
     if not old_classes:
         return logits.sum() * 0.0
-    index = torch.as_tensor(old_classes, device=logits.device)
+    index = class_index(tuple(old_classes), str(logits.device))
     targets = torch.sigmoid(teacher_logits[:, index]).detach()
     return _bce_sum(logits[:, index], targets)

@@ -111,8 +111,10 @@ def torch_mask(logits, learned):
     """True in the columns of ``logits`` whose class is not in ``learned``."""
     import torch
 
+    from fedaval.prototypes import class_index
+
     mask = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
-    mask[torch.as_tensor(learned, dtype=torch.long, device=logits.device)] = False
+    mask[class_index(tuple(learned), str(logits.device))] = False  # no copy of the list per minibatch
     return mask
 
 
@@ -215,11 +217,12 @@ class Target(Plugin):
         import torch
 
         from fedaval.plugins.target_math import kd_kl
+        from fedaval.prototypes import class_index
 
         images = synthetic[1]
         pick = torch.randint(len(images), (min(self.options.synthetic_batch, len(images)),), device=images.device)
         x = images[pick]
-        cols = torch.as_tensor(self.old_classes(run, task), device=x.device)
+        cols = class_index(tuple(self.old_classes(run, task)), str(x.device))
         with torch.no_grad():
             t_logits = teacher[1](x)[:, cols]
         s_logits = client.model.classifier(client.model.features(x))[:, cols]

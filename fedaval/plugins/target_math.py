@@ -12,17 +12,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedaval.prototypes import class_index
+
 
 def restricted_cross_entropy(logits: torch.Tensor, y: torch.Tensor, classes: Sequence[int]) -> torch.Tensor:
     """Cross-entropy over the columns ``classes`` only (TARGET's local CE on
     the current task: the softmax runs over the task's classes, so old
     classes' outputs get no push-down from new data). Every label in ``y``
-    must be one of ``classes``."""
-    cols = torch.as_tensor(list(classes), device=logits.device, dtype=torch.long)
+    must be one of ``classes``: on the CPU another label is a ValueError; on
+    a GPU, where that check would wait for the GPU every minibatch, the
+    cross-entropy's own device-side check stops the run."""
+    cols = class_index(tuple(classes), str(logits.device))
     lookup = torch.full((logits.shape[1],), -1, dtype=torch.long, device=logits.device)
     lookup[cols] = torch.arange(len(cols), device=logits.device)
     targets = lookup[y]
-    if bool((targets < 0).any()):
+    if targets.device.type == "cpu" and bool((targets < 0).any()):
         raise ValueError("a label is not one of the classes of the restricted cross-entropy")
     return F.cross_entropy(logits[:, cols], targets)
 
@@ -175,7 +179,7 @@ def synthesize(
         p.requires_grad_(False)
     opt_s = torch.optim.SGD(student.parameters(), lr=lr_student, momentum=0.9)
     generator.train()
-    last: dict[str, float] = {}
+    last_terms: dict[str, torch.Tensor] = {}
     images, labels = [], []
     for start in range(0, size, batch_size):
         n = min(batch_size, size - start)
@@ -200,8 +204,10 @@ def synthesize(
             opt_s.zero_grad()
             kd.backward()
             opt_s.step()
-            last = {k: float(v.detach()) for k, v in (("ce", ce), ("bn", bn), ("adv", adv), ("student_kd", kd))}
+            terms = (("ce", ce), ("bn", bn), ("adv", adv), ("student_kd", kd))
+            last_terms = {k: v.detach() for k, v in terms}  # read back once, after the loop: no wait per step
         with torch.no_grad():  # train mode: the batch statistics the images were optimised with
             images.append(generator(z).cpu())
         labels.append(cols[y].cpu())
+    last = {k: float(v) for k, v in last_terms.items()}
     return torch.cat(images), torch.cat(labels), last
