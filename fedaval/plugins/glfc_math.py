@@ -30,14 +30,19 @@ def compensation_weights(logits: torch.Tensor, y: torch.Tensor, is_old: torch.Te
     run over the minibatch's samples of that group. Each group's weights
     then average 1: neither group dominates the gradient by its size, and
     within a group, samples with larger gradients weigh more. A group whose
-    gradients are all 0 gets weight 0 (as does an empty group). Computed
-    with masks over the whole minibatch: nothing waits for the GPU."""
+    gradients are all 0 gets weight 0.
+
+    On a GPU this waits for it about six times a minibatch (each group's
+    ``any``, selection and mean are read back). A form with masks over the
+    whole minibatch would not, but it moves the float rounding, so it waits
+    until the tables with GLFC rows (FedProK's Table 1, PFCL's) are re-run
+    with it."""
     g = gradient_measures(logits, y)
     w = torch.zeros_like(g)
     for group in (is_old, ~is_old):
-        members = group.to(g.dtype)
-        mean = (g * members).sum() / members.sum().clamp(min=1)
-        w = torch.where(group & (mean > 0), g / mean, w)
+        if bool(group.any()):
+            mean = g[group].mean()
+            w[group] = g[group] / mean if float(mean) > 0 else 0.0
     return w
 
 

@@ -98,18 +98,18 @@ def prototype_regulariser(
     data, computed after training and so without gradient; inside a minibatch
     we use the batch's class-i mean feature as its differentiable estimate.
     Classes without a global prototype yet add nothing; so does a batch with
-    none of them (the result is then a zero that still has a graph). The
-    class means are taken with a [batch, classes] membership matrix, so
-    nothing waits for the GPU."""
-    if not global_library:
-        return features.sum() * 0.0
-    classes, bank = stack_library(global_library)
-    index = class_index(tuple(classes), str(features.device))
-    members = (labels.unsqueeze(1) == index.unsqueeze(0)).to(features.dtype)  # [B, K]
-    counts = members.sum(dim=0)
-    means = members.T @ features / counts.clamp(min=1).unsqueeze(1)
-    distances = (means - bank.to(features)).pow(2).sum(-1).clamp_min(1e-12).sqrt()
-    return (distances * (counts > 0)).sum()
+    none of them (the result is then a zero that still has a graph).
+
+    On a GPU the per-class means wait for it a few times per class and
+    minibatch (:func:`fedaval.prototypes.class_means`). A membership-matrix
+    form would not, but it moves the float rounding, so it waits until
+    PFCL's table is re-run with it."""
+    total = features.sum() * 0.0
+    for c, mean in class_means(features, labels).items():
+        if c in global_library:
+            target = global_library[c].to(features)
+            total = total + (mean - target).pow(2).sum().clamp_min(1e-12).sqrt()
+    return total
 
 
 def fuse_prototypes(uploads: list[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
