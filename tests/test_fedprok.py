@@ -77,6 +77,10 @@ def test_a_sample_gives_one_pseudo_feature_per_old_class_based_on_its_class():
     assert pseudo.shape == (6, 2) and targets.shape == valid.shape == (6,)
     assert targets[valid].tolist() == [1, 2, 3, 4]
     assert torch.allclose(pseudo[valid], T([[1.0, 0.1], [2.0, 0.2], [3.0, 0.3], [1.1, 2.0]]))
+    # the shapes do not depend on the labels (nothing is read back from a GPU to size them)
+    for labels in (T([7, 7]), T([5, 5]), T([3, 9])):
+        again = translate_features(T([[0.0, 0.0], [1.0, 1.0]]), labels, plan)
+        assert [t.shape for t in again] == [pseudo.shape, targets.shape, valid.shape]
 
 
 def test_no_pseudo_features_when_the_base_class_is_not_in_the_batch():
