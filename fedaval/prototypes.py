@@ -83,16 +83,31 @@ def nearest_prototype_scores(
 
 
 @torch.no_grad()
-def extract_features(model, dataset, device, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def extract_features(model, dataset, device, batch_size: int = 256, run=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.features`` of every sample of ``dataset``, in order, with the
     model in eval mode (BatchNorm running statistics, no dropout; its modes
     are restored afterwards). Returns ``(features, labels)`` on ``device``:
-    the one feature-extraction loop of the prototype methods."""
+    the one feature-extraction loop of the prototype methods.
+
+    With ``run``, a dataset of the run's own (a client's task data) is read
+    on the run's device data path, as evaluation reads it
+    (:class:`fedaval.device_data.EvalBatches`: the same minibatches, bit for
+    bit, and the same one draw from the global random stream as a
+    ``DataLoader``), instead of sample by sample through a ``DataLoader``
+    and a copy to the device per minibatch; other datasets take the
+    ``DataLoader``."""
+    batches = None
+    if run is not None and torch.device(device) == run.device:
+        from fedaval.device_data import eval_batches
+
+        batches = eval_batches(run, dataset, batch_size)
+    if batches is None:
+        batches = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     feats, labels = [], []
     try:
-        for batch in torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False):
+        for batch in batches:
             x, y = batch[0].to(device), torch.as_tensor(batch[1]).to(device)
             feats.append(model.features(x))
             labels.append(y)

@@ -27,8 +27,9 @@ def test_batch_is_the_stacked_samples(cifar10_root):
         dict(plugins=["gldp"], scenario="sthfl", scenario_options={"clients": 3, "tasks": 2, "classes_per_task": 2}),
         dict(plugins=["pfcl"], scenario="fcl-random", scenario_options={"clients": 2}),
         dict(plugins=["avalanche:ReplayPlugin"], plugin_options={"avalanche": {"mem_size": "40"}}),
+        dict(plugins=["fedprok"]),  # its prototypes' and classifier fit's feature extraction
     ],
-    ids=["fedavg", "gldp", "pfcl", "replay"],
+    ids=["fedavg", "gldp", "pfcl", "replay", "fedprok"],
 )
 def test_same_results_on_both_paths(tiny_config, tmp_path, settings):
     from fedaval.api import run_training
@@ -107,6 +108,32 @@ def test_evaluation_batches_and_random_streams_match_the_loader_path(tiny_config
     assert len(got) == len(expected) > 2 and len(got[-1][1]) == len(expected[-1][1])
     for (x, y, t), (ex, ey, et) in zip(got, expected):
         assert torch.equal(x.cpu(), ex) and torch.equal(y.cpu(), ey) and torch.equal(t.cpu(), et)
+
+
+def test_feature_extraction_of_a_client_dataset_takes_the_device_path(tiny_config, monkeypatch):
+    """The prototype methods' feature extraction (``prototypes.extract_features``
+    with the run) reads a client's task data on the device path: no sample
+    goes through ``__getitem__``, and the features, the labels and the global
+    random stream afterwards are the loader path's."""
+    from fedaval.build import build_run
+    from fedaval.datasets import TensorImageDataset
+    from fedaval.prototypes import extract_features
+
+    run = build_run(tiny_config(data_path="device"))
+    client = run.clients[0]
+    dataset = client.train_stream[0].dataset
+    torch.manual_seed(3)
+    expected = extract_features(client.model, dataset, run.device, batch_size=64)
+    expected_draw = torch.rand(3)
+
+    def no_sample(self, i):
+        raise AssertionError("a sample went through __getitem__")
+
+    monkeypatch.setattr(TensorImageDataset, "__getitem__", no_sample)
+    torch.manual_seed(3)
+    got = extract_features(client.model, dataset, run.device, batch_size=64, run=run)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert torch.equal(torch.rand(3), expected_draw)
 
 
 def test_evaluation_does_not_move_a_model_already_on_the_device(tiny_config, monkeypatch):

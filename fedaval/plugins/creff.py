@@ -126,7 +126,7 @@ class CReFF(Plugin):
         client.stash.pop(PENDING, None)
         if not client.has_task(client.task):
             return
-        features, labels = extract_features(client.model, client.train_stream[client.task].dataset, run.device)
+        features, labels = extract_features(client.model, client.train_stream[client.task].dataset, run.device, run=run)
         head = client.model.classifier
         grads = per_class_gradients(features, labels, head.weight, head.bias)
         client.stash[PENDING] = {c: g.cpu() for c, g in grads.items()}
@@ -196,7 +196,7 @@ class CReFF(Plugin):
         if exps and self.retrained is not None:
             correct = total = 0
             for exp in exps:
-                feats, labels = extract_features(server.model, exp.dataset, run.device)
+                feats, labels = extract_features(server.model, exp.dataset, run.device, run=run)
                 with torch.no_grad():
                     correct += int((server.model.classifier(feats).argmax(dim=1) == labels).sum())
                 total += len(labels)

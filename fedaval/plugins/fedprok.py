@@ -236,7 +236,7 @@ class FedProK(Plugin):
         exp = client.train_stream[client.task if task is None else task]
         if exp is None:
             return {}
-        return class_prototypes(*extract_features(client.model, exp.dataset, run.device))
+        return class_prototypes(*extract_features(client.model, exp.dataset, run.device, run=run))
 
     def previous_classes(self, client) -> list[int]:
         """Reading 6: the paper's union over i < t of the client's own task
@@ -280,7 +280,7 @@ class FedProK(Plugin):
         exp = client.train_stream[client.task]
         if plan is None or exp is None:
             return None
-        features, labels = extract_features(client.model, exp.dataset, run.device)
+        features, labels = extract_features(client.model, exp.dataset, run.device, run=run)
         head, config = client.model.classifier, run.config
         optimizer = torch.optim.SGD(
             head.parameters(),

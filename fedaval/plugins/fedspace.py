@@ -146,7 +146,7 @@ class FedSpace(Plugin):
         exp = client.train_stream[task]
         if exp is None:
             return
-        features, labels = extract_features(client.model, exp.dataset, run.device)
+        features, labels = extract_features(client.model, exp.dataset, run.device, run=run)
         client.stash[PENDING] = prototypes_and_radii(features, labels)
 
     @hookimpl

@@ -161,7 +161,7 @@ class GLDP(PersonalHead, Plugin):
         exp = client.train_stream[client.task]
         if exp is None:
             return None
-        features, labels = base_features(client.model, exp.dataset, run.device)
+        features, labels = base_features(client.model, exp.dataset, run.device, run=run)
         prototypes, _ = class_means(features, labels)
         client.stash[LOCAL] = ema_update(client.stash.get(LOCAL, {}), prototypes, self.options.beta)
         return {ENTRY: prototypes} if prototypes else None
@@ -211,7 +211,7 @@ class GLDP(PersonalHead, Plugin):
                 ]
                 if not exps:
                     continue
-                feats, labels = zip(*(base_features(client.model, e.dataset, run.device) for e in exps))
+                feats, labels = zip(*(base_features(client.model, e.dataset, run.device, run=run) for e in exps))
                 cached = self.eval_cache[client.id] = (client.trained_at, torch.cat(feats), torch.cat(labels))
             _, feats, labels = cached
             for predict, values in accs.items():
@@ -223,8 +223,8 @@ class GLDP(PersonalHead, Plugin):
         return {keys[p]: sum(v) / len(v) for p, v in accs.items() if v}
 
 
-def base_features(model, dataset, device) -> tuple[torch.Tensor, torch.Tensor]:
+def base_features(model, dataset, device, run=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.features`` of every sample of ``dataset`` (eval mode), on the CPU,
-    with the labels."""
-    features, labels = extract_features(model, dataset, device)
+    with the labels (``run``: as :func:`fedaval.prototypes.extract_features` takes it)."""
+    features, labels = extract_features(model, dataset, device, run=run)
     return features.cpu(), labels.cpu()

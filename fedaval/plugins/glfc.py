@@ -269,7 +269,7 @@ class GLFC(Plugin):
         exp = client.train_stream[task]
         if not new or exp is None or LENET not in client.stash:
             return
-        features, y = extract_features(client.model, exp.dataset, run.device)
+        features, y = extract_features(client.model, exp.dataset, run.device, run=run)
         lenet = self.make_lenet(run, client.stash[LENET])
         pending = {}
         for c in new:
