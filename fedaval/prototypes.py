@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ def extract_features(model, dataset, device, batch_size: int = 256, run=None) ->
     ``DataLoader``), instead of sample by sample through a ``DataLoader``
     and a copy to the device per minibatch; other datasets take the
     ``DataLoader``."""
-    batches = None
+    batches: Iterable[Any] | None = None
     if run is not None and torch.device(device) == run.device:
         from fedaval.device_data import eval_batches
 
