@@ -74,7 +74,13 @@ WORK=${WORK:-/tmp/gpu-session-work}
 mkdir -p "$OUT" "$WORK"
 T0=$(date +%s)
 log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$WORK/session.log"; }
-pack() { tar czf "$OUT/session.tgz.tmp" -C "$WORK" . && mv "$OUT/session.tgz.tmp" "$OUT/session.tgz"; }
+# Steps and runs may finish side by side: each packs into a file of its own, then renames it over
+# session.tgz (tar may warn of a file written meanwhile; the archive is kept unless it is empty).
+pack() {
+    local tmp=$OUT/session.tgz.$BASHPID
+    tar czf "$tmp" -C "$WORK" . 2>/dev/null
+    if [ -s "$tmp" ]; then mv -f "$tmp" "$OUT/session.tgz"; else rm -f "$tmp"; fi
+}
 step() {  # step SECONDS FILE COMMAND...: run with a time limit, output to $WORK/FILE
     local limit=$1 file=$2
     shift 2
@@ -144,9 +150,7 @@ for name, args in tomllib.load(open(sys.argv[1], "rb"))["paper"]["runs"].items()
         local run=$RUNS/t1-$row-s$seed
         mkdir -p "$WORK/results/t1-$row-s$seed"
         cp "$run"/results.json "$run"/rounds.jsonl "$run"/config.json "$WORK/results/t1-$row-s$seed/" 2>/dev/null
-        # runs finish side by side: each packs into its own file, then renames it over session.tgz
-        tar czf "$OUT/session.tgz.$BASHPID" -C "$WORK" . 2>/dev/null
-        mv -f "$OUT/session.tgz.$BASHPID" "$OUT/session.tgz"
+        pack
     }
     for job in ${JOBS:-fedavg:42 fedprok:42 fedavg:1999 fedprok:1999 fedavg:2024 fedprok:2024}; do
         while [ "$(jobs -rp | wc -l)" -ge "${SLOTS:-6}" ]; do wait -n; done

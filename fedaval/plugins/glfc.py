@@ -87,7 +87,6 @@ LENET = StashKey[Any]("glfc.lenet")  # the shared gradient-encoding LeNet
 ENTROPY = StashKey[int]("glfc.entropy_task")  # the task of the client's previous round
 SIGNAL = StashKey[dict]("glfc.signal")  # this round's entropy and detection
 PENDING = StashKey[dict]("glfc.pending")  # class -> LeNet gradient, to upload
-CLASSES = StashKey[tuple]("glfc.classes")  # (task, {"current" / "old": its classes as a tensor on the device})
 
 
 @dataclass
@@ -220,23 +219,10 @@ class GLFC(Plugin):
         import torch
 
         from fedaval.plugins.glfc_math import compensated_cross_entropy
+        from fedaval.prototypes import class_index
 
-        current = self.classes_tensor(client, "current", client.tasks.classes[client.task], y.device)
+        current = class_index(tuple(client.tasks.classes[client.task]), str(y.device))  # no copy per minibatch
         return compensated_cross_entropy(logits, y, ~torch.isin(y, current))
-
-    def classes_tensor(self, client, what: str, classes, device):
-        """``classes`` (the current task's, or the old ones) as a tensor on
-        ``device``, made once per task: a copy to the GPU per minibatch would
-        wait for it."""
-        import torch
-
-        cached = client.stash.get(CLASSES)
-        if cached is None or cached[0] != client.task:
-            cached = client.stash[CLASSES] = (client.task, {})
-        tensors = cached[1]
-        if what not in tensors:
-            tensors[what] = torch.as_tensor(list(classes), device=device, dtype=torch.long)
-        return tensors[what]
 
     def old_classes(self, run, task: int) -> list[int]:
         return sorted({c for t in range(task) for c in run.federation_task_classes()[t]})
@@ -252,8 +238,9 @@ class GLFC(Plugin):
 
         with torch.no_grad():
             t_logits = teacher[1](batch.x)
-        old = self.classes_tensor(client, "old", self.old_classes(run, client.task), batch.logits.device)
-        term = relation_distillation(batch.logits, t_logits, old, self.options.temperature)
+        term = relation_distillation(
+            batch.logits, t_logits, self.old_classes(run, client.task), self.options.temperature
+        )
         return {"glfc_relation": self.options.rd_weight * term}
 
     @hookimpl

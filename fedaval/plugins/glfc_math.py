@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedaval.prototypes import class_index
+
 # ---------------------------------------------------------------------------
 # class-aware gradient compensation (GLFC Sec. 3.2, Eqs. 2-3)
 # ---------------------------------------------------------------------------
@@ -61,17 +63,14 @@ def compensated_cross_entropy(logits: torch.Tensor, y: torch.Tensor, is_old: tor
 def relation_distillation(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
-    old_classes: Sequence[int] | torch.Tensor,
+    old_classes: Sequence[int],
     temperature: float,
 ) -> torch.Tensor:
     """``L_RD = 1/b sum_i KL(softmax(t_i[old]/T) || softmax(s_i[old]/T))``:
     the current model keeps the old model's relations between the old
-    classes (``old_classes``, columns of both logits; a tensor on the
-    logits' device is used as it is, with no copy to wait for)."""
-    if isinstance(old_classes, torch.Tensor):
-        cols = old_classes.to(student_logits.device, torch.long)
-    else:
-        cols = torch.as_tensor(list(old_classes), device=student_logits.device, dtype=torch.long)
+    classes (``old_classes``, columns of both logits; their index tensor is
+    made once per list and device, not copied to the GPU per minibatch)."""
+    cols = class_index(tuple(old_classes), str(student_logits.device))
     log_s = F.log_softmax(student_logits[:, cols] / temperature, dim=1)
     log_t = F.log_softmax(teacher_logits[:, cols] / temperature, dim=1)
     return (log_t.exp() * (log_t - log_s)).sum(dim=1).mean()
