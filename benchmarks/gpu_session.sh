@@ -97,7 +97,9 @@ if [ "${1:-}" = "--full-scale" ]; then
     # it); then the rows in JOBS
     # ("row:seed", a row being a key of the config's [paper.runs] in lower case, spaces as '-'),
     # SLOTS of them at a time on the one GPU (each run is host-bound with graphs, so a few
-    # processes keep the GPU busy), every run stopped DEADLINE seconds after this script began.
+    # processes keep the GPU busy), every run stopped DEADLINE seconds after this script began; a run
+    # with less than MIN_LEFT seconds left when its slot frees is not started (it would not finish, and
+    # would slow the others down).
     # A run folder with ResNet-18 checkpoints is too big to carry back, so a run must finish within
     # one command; results.json, rounds.jsonl and config.json of each come back in session.tgz
     # (results/<run>/), with its log (t1-<row>-s<seed>.txt). DEVICE, MODEL, DATA_ROOT and
@@ -140,7 +142,7 @@ for name, args in tomllib.load(open(sys.argv[1], "rb"))["paper"]["runs"].items()
         fi
         args=$(awk -F'\t' -v r="$row" '$1 == r {print $2}' "$WORK/rows.tsv")
         local left=$((DEADLINE - (began - T0)))
-        if [ "$left" -lt 30 ]; then log "t1-$row-s$seed: not started, $left s left"; return; fi
+        if [ "$left" -lt "${MIN_LEFT:-30}" ]; then log "t1-$row-s$seed: not started, $left s left"; return; fi
         # shellcheck disable=SC2086  # args: the row's arguments, split as a shell would
         timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train \
             --config configs/repro-fedprok-table1.toml $args --model "${MODEL:-resnet18}" \
