@@ -165,3 +165,17 @@ def test_scores_of_classes_not_reached_yet_are_masked():
     run.task = 1
     logits = plugin.fedaval_classify(run=run, client=None, model=model, features=torch.randn(5, 2), training=False)
     assert (logits > -1e9).all()
+
+
+def test_the_mask_of_a_class_list_is_made_once():
+    """Made per minibatch, its index assignment waited for the GPU each time
+    (tests/test_gpu_syncs.py on an H100, session 14): one mask per class list,
+    width and device, reused; another list gets its own."""
+    from fedaval.plugins.target import torch_mask
+
+    logits = torch.zeros(3, 6)
+    first = torch_mask(logits, [0, 4])
+    assert torch_mask(logits, [0, 4]) is first
+    assert first.tolist() == [False, True, True, True, False, True]
+    assert torch_mask(logits, [0, 1, 4]).tolist() == [False, False, True, True, False, True]
+    assert torch_mask(torch.zeros(3, 8), [0, 4]).shape == (8,)
