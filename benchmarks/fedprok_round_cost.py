@@ -7,7 +7,8 @@ FedProK Table 1's shape (configs/repro-fedprok-table1.toml: 3 clients, 5
 tasks, alpha 1) on the CIFAR-10 subset of benchmarks/cifar_data.py, a few
 rounds per task, no evaluation. From task 1 on, FedProK's clients translate
 their old classes' features in every minibatch and then fit the classifier
-for 20 epochs on the round's features (its plugin's readings 3 and 8), which
+to convergence on the round's features (full-batch L-BFGS since session 14,
+20 epochs of minibatch SGD before; its plugin's readings 3 and 8), which
 FedAvg does not. Printed per method: the clients' local training seconds per
 round (``seconds_local``), median over the rounds of tasks 1 to 4, and
 FedProK's ratio to FedAvg, both runs in this one invocation. At full scale on
