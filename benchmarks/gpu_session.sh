@@ -91,11 +91,13 @@ step() {  # step SECONDS FILE COMMAND...: run with a time limit, output to $WORK
 }
 
 if [ "${1:-}" = "--full-scale" ]; then
-    # Item 4: FedProK's Table 1 (configs/repro-fedprok-table1.toml) at the paper's scale: ResNet-18
-    # on all of CIFAR-10 (docs/reproduction.md, "At the papers' scale"). First, alone on the GPU,
+    # Item 4: FedProK's Table 1 (configs/repro-fedprok-table1.toml) and GLDP's Table 2
+    # (configs/repro-gldp-table2.toml, rows named t2-<row>, with its [paper.full-scale] changes) at the
+    # papers' scale: ResNet-18 on all of CIFAR-10 (docs/reproduction.md, "At the papers' scale"). First, alone on the GPU,
     # item 3's throughput (THROUGHPUT_S=0 skips it); the sync-count test beside the runs (SYNCS_S=0 skips
     # it); then the rows in JOBS
-    # ("row:seed", a row being a key of the config's [paper.runs] in lower case, spaces as '-'),
+    # ("row:seed", a row being a key of a config's [paper.runs] in lower case, spaces as '-', with
+    # t2- before it for GLDP's Table 2: fedprok-wo-pkf:42, t2-gldp-gp:1999),
     # SLOTS of them at a time on the one GPU (each run is host-bound with graphs, so a few
     # processes keep the GPU busy), every run stopped DEADLINE seconds after this script began; a run
     # with less than MIN_LEFT seconds left when its slot frees is not started (it would not finish, and
@@ -128,30 +130,39 @@ if [ "${1:-}" = "--full-scale" ]; then
     # decode the images once, into fedaval's cache, before the runs read it side by side
     step 120 decode.txt python3 -c 'import sys; from pathlib import Path; from fedaval.datasets import load_dataset
 print(load_dataset("imagefolder", Path(sys.argv[1])).train_x.shape)' "$DATA_ROOT"
-    # each row's arguments, from the config's [paper.runs]: "row<TAB>arguments"
+    # each row of the two tables, from its config's [paper.runs] with its [paper.full-scale] changes:
+    # "key<TAB>config<TAB>arguments", the key being t1-<row> (FedProK's Table 1) or t2-<row> (GLDP's
+    # Table 2), the row in lower case with spaces as '-' (" w/o " as "-wo-")
     python3 -c 'import tomllib, sys
-for name, args in tomllib.load(open(sys.argv[1], "rb"))["paper"]["runs"].items():
-    print(name.lower().replace(" w/o ", "-wo-").replace(" ", "-") + "\t" + args)' configs/repro-fedprok-table1.toml >"$WORK/rows.tsv"
+for table, path in (("t1", "configs/repro-fedprok-table1.toml"), ("t2", "configs/repro-gldp-table2.toml")):
+    paper = tomllib.load(open(path, "rb"))["paper"]
+    scale = paper.get("full-scale", {})
+    for name, args in paper["runs"].items():
+        args = scale.get("runs", {}).get(name, args) + " " + scale.get("args", "")
+        key = table + "-" + name.lower().replace(" w/o ", "-wo-").replace(" ", "-")
+        print(key + "\t" + path + "\t" + " ".join(args.split()))' >"$WORK/rows.tsv"
     RUNS=${RUNS:-/tmp/gpu-runs}
     DEADLINE=${DEADLINE:-500}
-    run_row() {  # run_row ROW SEED: one run of Table 1, stopped at the deadline
-        local row=$1 seed=$2 args began=$(date +%s)
+    run_row() {  # run_row ROW SEED: one run of a table's row, stopped at the deadline
+        local row=$1 seed=$2 config args began=$(date +%s)
+        case $row in t1-* | t2-*) ;; *) row=t1-$row ;; esac  # a row with no table is Table 1's
         if ! cut -f1 "$WORK/rows.tsv" | grep -qx -- "$row"; then
-            log "t1-$row-s$seed: no row $row; rows: $(cut -f1 "$WORK/rows.tsv" | tr '\n' ' ')"
+            log "$row-s$seed: no row $row; rows: $(cut -f1 "$WORK/rows.tsv" | tr '\n' ' ')"
             return
         fi
-        args=$(awk -F'\t' -v r="$row" '$1 == r {print $2}' "$WORK/rows.tsv")
+        config=$(awk -F'\t' -v r="$row" '$1 == r {print $2}' "$WORK/rows.tsv")
+        args=$(awk -F'\t' -v r="$row" '$1 == r {print $3}' "$WORK/rows.tsv")
         local left=$((DEADLINE - (began - T0)))
-        if [ "$left" -lt "${MIN_LEFT:-30}" ]; then log "t1-$row-s$seed: not started, $left s left"; return; fi
+        if [ "$left" -lt "${MIN_LEFT:-30}" ]; then log "$row-s$seed: not started, $left s left"; return; fi
         # shellcheck disable=SC2086  # args: the row's arguments, split as a shell would
         timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train \
-            --config configs/repro-fedprok-table1.toml $args --model "${MODEL:-resnet18}" \
+            --config "$config" $args --model "${MODEL:-resnet18}" \
             --data-root "$DATA_ROOT" --device "$DEVICE" $GRAPHS --seeds "$seed" ${FULL_SCALE_ARGS:-} \
-            --out "$RUNS/t1-$row" --quiet >"$WORK/t1-$row-s$seed.txt" 2>&1
-        log "t1-$row-s$seed: exit $? after $(($(date +%s) - began)) s (limit $left)"
-        local run=$RUNS/t1-$row-s$seed
-        mkdir -p "$WORK/results/t1-$row-s$seed"
-        cp "$run"/results.json "$run"/rounds.jsonl "$run"/config.json "$WORK/results/t1-$row-s$seed/" 2>/dev/null
+            --out "$RUNS/$row" --quiet >"$WORK/$row-s$seed.txt" 2>&1
+        log "$row-s$seed: exit $? after $(($(date +%s) - began)) s (limit $left)"
+        local run=$RUNS/$row-s$seed
+        mkdir -p "$WORK/results/$row-s$seed"
+        cp "$run"/results.json "$run"/rounds.jsonl "$run"/config.json "$WORK/results/$row-s$seed/" 2>/dev/null
         pack
     }
     for job in ${JOBS:-fedavg:42 fedprok:42 fedavg:1999 fedprok:1999 fedavg:2024 fedprok:2024}; do

@@ -591,8 +591,9 @@ def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
     files in ``configs/`` carry one) to the groups of runs: a group is a
     paper row when its plugins are the row's and, of the plugin options any
     row sets, it sets exactly the row's values (``[paper.runs]`` gives each
-    row's arguments on top of the config's own run). Tables ``[paper.<metric>]``
-    whose name is a report metric become columns."""
+    row's arguments on top of the config's own run; ``[paper.full-scale.runs]``
+    a row's other arguments at the paper's scale, which match it too). Tables
+    ``[paper.<metric>]`` whose name is a report metric become columns."""
     from fedaval.config_file import read_paper_table
 
     with open(path, "rb") as fh:
@@ -610,17 +611,23 @@ def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
     if not table:
         raise FedavalUsageError(f"--paper {str(path)!r} has no [paper] table; see configs/repro-*.toml")
     runs = table.get("runs") or {}
-    rows = {name: _row_expectation(base_plugins, args) for name, args in runs.items()}
-    mentioned = {key for _, opts in rows.values() for key in opts}
-    expected = {
-        name: (plugins, {**{k: v for k, v in file_options.items() if k.split(".")[0] in plugins}, **opts})
-        for name, (plugins, opts) in rows.items()  # a plugin the row replaced loses the file's options
-    }
+    # a row's arguments at the paper's scale, where they differ ([paper.full-scale.runs]): its runs at
+    # either scale are the row
+    at_scale = (table.get("full-scale") or {}).get("runs") or {}
+    rows = [
+        (name, _row_expectation(base_plugins, args))
+        for name, args in [*runs.items(), *((n, a) for n, a in at_scale.items() if n in runs)]
+    ]
+    mentioned = {key for _, (_, opts) in rows for key in opts}
+    expected = [
+        (name, plugins, {**{k: v for k, v in file_options.items() if k.split(".")[0] in plugins}, **opts})
+        for name, (plugins, opts) in rows  # a plugin the row replaced loses the file's options
+    ]
     drop_default = lambda plugins: [p for p in plugins if p != "fedavg"] or ["fedavg"]  # noqa: E731
     names: dict[int, str] = {}
     for index, group in enumerate(groups):
         flat = {k: _as_text(v) for k, v in _flatten(group.setting).items()}
-        for name, (plugins, opts) in expected.items():
+        for name, plugins, opts in expected:
             if drop_default(list(group.setting.get("plugins") or [])) != drop_default(plugins):
                 continue
             if all(flat.get(key) == opts.get(key) for key in mentioned):

@@ -193,3 +193,35 @@ def test_the_papers_numbers_stand_beside_the_measured_ones(runs, tmp_path):
 
     table = list(csv.DictReader((tmp_path / "rep" / "report.csv").open()))
     assert {r["paper_row"]: r["method"] for r in table} == {"FedAvg": "fedavg", "FedProx": "fedprox"}
+
+
+def test_a_rows_runs_at_the_papers_scale_are_that_row(tmp_path):
+    """``[paper.full-scale.runs]`` gives a row's arguments at the paper's scale
+    (GLDP's FedRep: 20 + 10 epochs instead of 2 + 1): runs made with them are
+    the row too; a run with other values is not."""
+    from fedaval.api import run_training
+
+    for name, mu in [("cpu", 0.01), ("full", 0.5), ("other", 0.2)]:
+        run_training(
+            tiny_run_config(tmp_path / name, seed=1, plugins=["fedprox"], plugin_options={"fedprox": {"mu": mu}})
+        )
+    config = tmp_path / "paper.toml"
+    config.write_text(
+        '[paper]\nsource = "a table"\n[paper.final_accuracy]\nFedProx = 17.49\n'
+        '[paper.runs]\nFedProx = "-p fedprox -o fedprox.mu=0.01"\n'
+        '[paper.full-scale]\nargs = "--local-epochs 30"\n'
+        '[paper.full-scale.runs]\nFedProx = "-p fedprox -o fedprox.mu=0.5"\n'
+    )
+    out = tmp_path / "rep"
+    result = CliRunner().invoke(
+        cli,
+        ["report", *(str(tmp_path / n) for n in ("cpu", "full", "other")), "--paper", str(config), "--no-figures"]
+        + ["--out-dir", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    table = list(csv.DictReader((out / "report.csv").open()))
+    assert sorted((r["setting"], r["paper_row"]) for r in table) == [
+        ("fedprox.mu=0.01", "FedProx"),
+        ("fedprox.mu=0.2", ""),
+        ("fedprox.mu=0.5", "FedProx"),
+    ]
