@@ -102,8 +102,11 @@ if [ "${1:-}" = "--full-scale" ]; then
     # processes keep the GPU busy), every run stopped DEADLINE seconds after this script began; a run
     # with less than MIN_LEFT seconds left when its slot frees is not started (it would not finish, and
     # would slow the others down).
-    # A run folder with ResNet-18 checkpoints is too big to carry back, so a run must finish within
-    # one command; results.json, rounds.jsonl and config.json of each come back in session.tgz
+    # A run folder with ResNet-18 checkpoints is too big to carry back, so a run finishes within one
+    # command, or goes on in the next command on the same machine while it is still held (the device
+    # tool gives it back after 30 s idle): a job whose run folder has checkpoints and is not complete is
+    # resumed (GLDP's Table 2 at 50 rounds x 30 epochs may need two commands). The same RUNS and WORK
+    # must be given to both; results.json, rounds.jsonl and config.json of each come back in session.tgz
     # (results/<run>/), with its log (t1-<row>-s<seed>.txt). DEVICE, MODEL, DATA_ROOT and
     # FULL_SCALE_ARGS change the scale (a CPU dry run uses them).
     log "full scale on $(hostname), $(nproc) cores"
@@ -154,13 +157,21 @@ for table, path in (("t1", "configs/repro-fedprok-table1.toml"), ("t2", "configs
         args=$(awk -F'\t' -v r="$row" '$1 == r {print $3}' "$WORK/rows.tsv")
         local left=$((DEADLINE - (began - T0)))
         if [ "$left" -lt "${MIN_LEFT:-30}" ]; then log "$row-s$seed: not started, $left s left"; return; fi
-        # shellcheck disable=SC2086  # args: the row's arguments, split as a shell would
-        timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train \
-            --config "$config" $args --model "${MODEL:-resnet18}" \
-            --data-root "$DATA_ROOT" --device "$DEVICE" $GRAPHS --seeds "$seed" ${FULL_SCALE_ARGS:-} \
-            --out "$RUNS/$row" --quiet >"$WORK/$row-s$seed.txt" 2>&1
-        log "$row-s$seed: exit $? after $(($(date +%s) - began)) s (limit $left)"
         local run=$RUNS/$row-s$seed
+        if [ -d "$run/checkpoints" ] && ! grep -q '"state": "complete"' "$run/results.json" 2>/dev/null; then
+            # stopped by an earlier command on this machine (still held, so /tmp is still there): go on
+            # from its newest checkpoint (--checkpoint-every auto: each stage's end, at most a minute apart)
+            timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train --resume "$run" \
+                --quiet >>"$WORK/$row-s$seed.txt" 2>&1
+            log "$row-s$seed: resumed, exit $? after $(($(date +%s) - began)) s (limit $left)"
+        else
+            # shellcheck disable=SC2086  # args: the row's arguments, split as a shell would
+            timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train \
+                --config "$config" $args --model "${MODEL:-resnet18}" \
+                --data-root "$DATA_ROOT" --device "$DEVICE" $GRAPHS --seeds "$seed" ${FULL_SCALE_ARGS:-} \
+                --out "$RUNS/$row" --quiet >"$WORK/$row-s$seed.txt" 2>&1
+            log "$row-s$seed: exit $? after $(($(date +%s) - began)) s (limit $left)"
+        fi
         mkdir -p "$WORK/results/$row-s$seed"
         cp "$run"/results.json "$run"/rounds.jsonl "$run"/config.json "$WORK/results/$row-s$seed/" 2>/dev/null
         pack
