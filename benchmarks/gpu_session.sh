@@ -136,42 +136,34 @@ print(load_dataset("imagefolder", Path(sys.argv[1])).train_x.shape)' "$DATA_ROOT
     # each row of the two tables, from its config's [paper.runs] with its [paper.full-scale] changes:
     # "key<TAB>config<TAB>arguments", the key being t1-<row> (FedProK's Table 1) or t2-<row> (GLDP's
     # Table 2), the row in lower case with spaces as '-' (" w/o " as "-wo-")
-    python3 -c 'import tomllib, sys
+    python3 -c 'from fedaval.config_file import full_scale_runs, read_paper_table
 for table, path in (("t1", "configs/repro-fedprok-table1.toml"), ("t2", "configs/repro-gldp-table2.toml")):
-    paper = tomllib.load(open(path, "rb"))["paper"]
-    scale = paper.get("full-scale", {})
-    for name, args in paper["runs"].items():
-        args = scale.get("runs", {}).get(name, args) + " " + scale.get("args", "")
-        key = table + "-" + name.lower().replace(" w/o ", "-wo-").replace(" ", "-")
-        print(key + "\t" + path + "\t" + " ".join(args.split()))' >"$WORK/rows.tsv"
+    for name, args in full_scale_runs(read_paper_table(path)).items():
+        print(table + "-" + name.lower().replace(" w/o ", "-wo-").replace(" ", "-"), path, args, sep="\t")' >"$WORK/rows.tsv"
     RUNS=${RUNS:-/tmp/gpu-runs}
     DEADLINE=${DEADLINE:-500}
     run_row() {  # run_row ROW SEED: one run of a table's row, stopped at the deadline
         local row=$1 seed=$2 config args began=$(date +%s)
         case $row in t1-* | t2-*) ;; *) row=t1-$row ;; esac  # a row with no table is Table 1's
-        if ! cut -f1 "$WORK/rows.tsv" | grep -qx -- "$row"; then
+        if ! IFS=$'\t' read -r _ config args < <(awk -F'\t' -v r="$row" '$1 == r' "$WORK/rows.tsv"); then
             log "$row-s$seed: no row $row; rows: $(cut -f1 "$WORK/rows.tsv" | tr '\n' ' ')"
             return
         fi
-        config=$(awk -F'\t' -v r="$row" '$1 == r {print $2}' "$WORK/rows.tsv")
-        args=$(awk -F'\t' -v r="$row" '$1 == r {print $3}' "$WORK/rows.tsv")
         local left=$((DEADLINE - (began - T0)))
         if [ "$left" -lt "${MIN_LEFT:-30}" ]; then log "$row-s$seed: not started, $left s left"; return; fi
-        local run=$RUNS/$row-s$seed
+        local run=$RUNS/$row-s$seed how=started train
         if [ -d "$run/checkpoints" ] && ! grep -q '"state": "complete"' "$run/results.json" 2>/dev/null; then
             # stopped by an earlier command on this machine (still held, so /tmp is still there): go on
             # from its newest checkpoint (--checkpoint-every auto: each stage's end, at most a minute apart)
-            timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train --resume "$run" \
-                --quiet >>"$WORK/$row-s$seed.txt" 2>&1
-            log "$row-s$seed: resumed, exit $? after $(($(date +%s) - began)) s (limit $left)"
+            how=resumed train=(--resume "$run")
         else
-            # shellcheck disable=SC2086  # args: the row's arguments, split as a shell would
-            timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train \
-                --config "$config" $args --model "${MODEL:-resnet18}" \
-                --data-root "$DATA_ROOT" --device "$DEVICE" $GRAPHS --seeds "$seed" ${FULL_SCALE_ARGS:-} \
-                --out "$RUNS/$row" --quiet >"$WORK/$row-s$seed.txt" 2>&1
-            log "$row-s$seed: exit $? after $(($(date +%s) - began)) s (limit $left)"
+            # shellcheck disable=SC2206  # args: the row's arguments, split as a shell would
+            train=(--config "$config" $args --model "${MODEL:-resnet18}" --data-root "$DATA_ROOT" --device "$DEVICE"
+                $GRAPHS --seeds "$seed" ${FULL_SCALE_ARGS:-} --out "$RUNS/$row")
         fi
+        timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train "${train[@]}" --quiet \
+            >>"$WORK/$row-s$seed.txt" 2>&1
+        log "$row-s$seed: $how, exit $? after $(($(date +%s) - began)) s (limit $left)"
         mkdir -p "$WORK/results/$row-s$seed"
         cp "$run"/results.json "$run"/rounds.jsonl "$run"/config.json "$WORK/results/$row-s$seed/" 2>/dev/null
         pack

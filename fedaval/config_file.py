@@ -106,6 +106,18 @@ def read_paper_table(path: str | Path) -> dict[str, Any]:
         return dict(tomllib.load(fh).get("paper") or {})
 
 
+def full_scale_runs(paper: dict[str, Any]) -> dict[str, str]:
+    """Each ``[paper.runs]`` row's arguments at the paper's scale (what
+    ``benchmarks/gpu_session.sh --full-scale`` runs): the row's
+    ``[paper.full-scale.runs]`` entry where it has one, else its
+    ``[paper.runs]`` entry, then ``[paper.full-scale]``'s ``args``."""
+    scale = paper.get("full-scale") or {}
+    changed, extra = scale.get("runs") or {}, scale.get("args", "")
+    return {
+        name: " ".join(f"{changed.get(name, args)} {extra}".split()) for name, args in (paper.get("runs") or {}).items()
+    }
+
+
 def _read_options(path: Path, value: Any) -> dict[str, dict[str, Any]]:
     """``[options.gldp] lam = 0.5`` -> ``{"gldp": {"lam": 0.5}}``."""
     hint = "write plugin/scenario options as tables, e.g. [options.gldp] then lam = 0.5"

@@ -41,6 +41,16 @@ def class_index(classes: tuple[int, ...], device: str) -> torch.Tensor:
     return torch.tensor(classes, dtype=torch.long, device=device)
 
 
+@functools.lru_cache(maxsize=64)
+def class_mask(classes: tuple[int, ...], width: int, device: str, inside: bool = True) -> torch.Tensor:
+    """A boolean mask over ``width`` class columns on ``device``: ``inside``
+    at ``classes``, ``not inside`` elsewhere. Made once per list, width and
+    device (built per minibatch, its index assignment copied the fill value
+    to a GPU and waited: TARGET's mask, session 14). Shared: do not change it."""
+    mask = torch.full((width,), not inside, dtype=torch.bool, device=device)
+    return mask.index_fill_(0, class_index(classes, device), inside)
+
+
 def ema_update(old: Mapping[int, torch.Tensor], new: Mapping[int, torch.Tensor], beta: float) -> PrototypeSet:
     """``beta * old[c] + (1 - beta) * new[c]`` for a class in both sets; a class
     only in ``new`` is added as it is; a class only in ``old`` is kept (GLDP

@@ -594,7 +594,7 @@ def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
     row's arguments on top of the config's own run; ``[paper.full-scale.runs]``
     a row's other arguments at the paper's scale, which match it too). Tables
     ``[paper.<metric>]`` whose name is a report metric become columns."""
-    from fedaval.config_file import read_paper_table
+    from fedaval.config_file import full_scale_runs, read_paper_table
 
     with open(path, "rb") as fh:
         import tomllib
@@ -611,12 +611,9 @@ def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
     if not table:
         raise FedavalUsageError(f"--paper {str(path)!r} has no [paper] table; see configs/repro-*.toml")
     runs = table.get("runs") or {}
-    # a row's arguments at the paper's scale, where they differ ([paper.full-scale.runs]): its runs at
-    # either scale are the row
-    at_scale = (table.get("full-scale") or {}).get("runs") or {}
+    # a row's runs at either scale are the row (its arguments at the paper's scale: full_scale_runs)
     rows = [
-        (name, _row_expectation(base_plugins, args))
-        for name, args in [*runs.items(), *((n, a) for n, a in at_scale.items() if n in runs)]
+        (name, _row_expectation(base_plugins, args)) for name, args in [*runs.items(), *full_scale_runs(table).items()]
     ]
     mentioned = {key for _, (_, opts) in rows for key in opts}
     expected = [

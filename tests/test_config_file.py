@@ -230,3 +230,20 @@ def test_command_line_scenario_drops_the_files_scenario_table(tmp_path, captured
     assert result.exit_code == 0, result.output
     (settings,) = captured
     assert "fcil-sync" not in settings["plugin_options"]
+
+
+def test_a_rows_arguments_at_the_papers_scale():
+    """``[paper.full-scale.runs]`` replaces a row's arguments, ``[paper.full-scale]``'s
+    ``args`` follow every row's (what gpu_session.sh --full-scale runs)."""
+    from fedaval.config_file import full_scale_runs
+
+    paper = {
+        "runs": {"FedAvg": "-p fedavg", "FedRep": "-p fedrep -o fedrep.head_epochs=2", "GLDP": ""},
+        "full-scale": {"args": "--local-epochs 30", "runs": {"FedRep": "-p fedrep -o fedrep.head_epochs=20"}},
+    }
+    assert full_scale_runs(paper) == {
+        "FedAvg": "-p fedavg --local-epochs 30",
+        "FedRep": "-p fedrep -o fedrep.head_epochs=20 --local-epochs 30",
+        "GLDP": "--local-epochs 30",
+    }
+    assert full_scale_runs({"runs": {"FedAvg": "-p fedavg"}}) == {"FedAvg": "-p fedavg"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fedaval.prototypes import class_index
+from fedaval.prototypes import class_index, class_mask
 
 
 def normalise(features: torch.Tensor) -> torch.Tensor:
@@ -76,9 +76,8 @@ def taught_scores(logits: torch.Tensor, classes: list[int]) -> torch.Tensor:
     (iCaRL's growing output layer). ``classes`` empty: ``logits`` unchanged."""
     if not classes:
         return logits
-    keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
-    keep[class_index(tuple(classes), str(logits.device))] = True
-    return logits.masked_fill(~keep, float("-inf"))
+    untaught = class_mask(tuple(classes), logits.shape[1], str(logits.device), inside=False)
+    return logits.masked_fill(untaught, float("-inf"))
 
 
 def _bce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,6 @@ federation learned in earlier stages.
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -109,23 +108,11 @@ class TargetOptions:
 
 
 def torch_mask(logits, learned):
-    """True in the columns of ``logits`` whose class is not in ``learned``."""
-    return unlearned_mask(tuple(learned), logits.shape[1], str(logits.device))
+    """True in the columns of ``logits`` whose class is not in ``learned``
+    (one shared mask per class list: :func:`fedaval.prototypes.class_mask`)."""
+    from fedaval.prototypes import class_mask
 
-
-@functools.lru_cache(maxsize=64)
-def unlearned_mask(learned: tuple[int, ...], width: int, device: str):
-    """The mask of :func:`torch_mask`, made once per class list, width and
-    device: built per minibatch, its index assignment copied the fill value
-    to the GPU and waited for it (one wait per minibatch, counted by
-    ``tests/test_gpu_syncs.py`` on an H100). Shared: do not change it."""
-    import torch
-
-    from fedaval.prototypes import class_index
-
-    mask = torch.ones(width, dtype=torch.bool, device=device)
-    mask[class_index(learned, device)] = False
-    return mask
+    return class_mask(tuple(learned), logits.shape[1], str(logits.device), inside=False)
 
 
 class Target(Plugin):
