@@ -164,12 +164,45 @@ class EvalBatches:
         return -(-len(self.source) // self.batch_size)
 
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
-        images, labels = device_tensors(self.run, self.split)
         torch.empty((), dtype=torch.int64).random_()  # the DataLoader iterator's base seed
+        for batch in self._batches():
+            yield list(batch)  # a list of its own: Avalanche's unpacking assigns into it
+
+    def _batches(self) -> list[list[torch.Tensor]]:
+        """The minibatches; the test split's are kept in the run's
+        ``test_batches`` (:data:`TEST_BATCH_CACHE_BYTES`) and reused."""
+        cache = self.run.test_batches if self.split == "test" else None
+        key = (self.source, self.batch_size)
+        if cache is not None and key in cache:
+            return cache[key]
+        images, labels = device_tensors(self.run, self.split)
         total = len(self.source)
+        batches = []
         for start in range(0, total, self.batch_size):
             positions = torch.arange(start, min(start + self.batch_size, total), device=images.device)
-            yield minibatch(self.source, positions, images, labels)
+            batches.append(minibatch(self.source, positions, images, labels))
+        if cache is not None and cached_bytes(cache) + batch_bytes(batches) <= TEST_BATCH_CACHE_BYTES:
+            cache[key] = batches
+        return batches
+
+
+#: Evaluation's minibatches of the test split are kept in the run
+#: (``run.test_batches``, by dataset and batch size), up to this many bytes
+#: in all, on the run's device, and never in a checkpoint. Every round
+#: evaluates the server and the trained clients on the same test
+#: experiences, and gathering and normalising a minibatch costs about what a
+#: small model's forward pass does (docs/performance.md, "Fixed cost per
+#: round"). Reused minibatches are why evaluation must not change its
+#: minibatch's tensors in place (nothing in fedaval or Avalanche's evaluation does).
+TEST_BATCH_CACHE_BYTES = 512 * 2**20
+
+
+def batch_bytes(batches: list[list[torch.Tensor]]) -> int:
+    return sum(t.nbytes for batch in batches for t in batch)
+
+
+def cached_bytes(cache: dict[Any, list[list[torch.Tensor]]]) -> int:
+    return sum(batch_bytes(batches) for batches in cache.values())
 
 
 class DeviceBatches:

@@ -110,6 +110,42 @@ def test_evaluation_batches_and_random_streams_match_the_loader_path(tiny_config
         assert torch.equal(x.cpu(), ex) and torch.equal(y.cpu(), ey) and torch.equal(t.cpu(), et)
 
 
+def test_evaluation_gathers_the_test_minibatches_once_per_run(tiny_config, monkeypatch):
+    """The test split's evaluation minibatches are gathered and normalised at
+    their first evaluation and reused from the run's cache after that: the
+    same metrics, the same global random stream, no second gather; a cache
+    too small to hold them gathers every time."""
+    from fedaval import device_data
+    from fedaval.build import build_run
+    from fedaval.datasets import TensorImageDataset
+
+    gathered = []
+    original = TensorImageDataset.batch
+
+    def counting(self, positions, images, labels):
+        gathered.append(len(positions))
+        return original(self, positions, images, labels)
+
+    monkeypatch.setattr(TensorImageDataset, "batch", counting)
+    outcomes = []
+    for budget in (device_data.TEST_BATCH_CACHE_BYTES, 0):
+        monkeypatch.setattr(device_data, "TEST_BATCH_CACHE_BYTES", budget)
+        run = build_run(tiny_config(data_path="device", scenario_options={"clients": 2, "tasks": 3}))
+        run.server.begin_task(0)
+        run.server.begin_task(1)
+        gathered.clear()
+        torch.manual_seed(7)
+        first = run.server.evaluate()
+        first_gathers = len(gathered)
+        second = run.server.evaluate()
+        outcomes.append((first, second, torch.rand(3), first_gathers, len(gathered) - first_gathers))
+    (first, second, draw, gathers, regathers), (nc_first, nc_second, nc_draw, nc_gathers, nc_regathers) = outcomes
+    assert gathers > 0 and regathers == 0 and run.test_batches == {}
+    assert nc_regathers == nc_gathers == gathers
+    assert first == second == nc_first == nc_second
+    assert torch.equal(draw, nc_draw)
+
+
 def test_feature_extraction_of_a_client_dataset_takes_the_device_path(tiny_config, monkeypatch):
     """The prototype methods' feature extraction (``prototypes.extract_features``
     with the run) reads a client's task data on the device path: no sample
