@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import strip_timing
 
 
@@ -17,3 +18,49 @@ def test_same_seed_same_results(tiny_config, tmp_path):
     assert strip_timing(on_disk) == strip_timing(json.loads(json.dumps(a)))
     assert strip_timing(a) == strip_timing(b)
     assert strip_timing(a)["rounds"] != strip_timing(c)["rounds"]
+
+
+def test_a_client_scope_switches_numpy_to_the_clients_own_generator(tiny_config, monkeypatch):
+    """Inside ``client.rng_scope()`` every global stream (Python, NumPy,
+    torch) continues the client's own, whatever is drawn outside between its
+    scopes, and the run's streams continue as if the scope never happened.
+    NumPy's is switched by bit generator, not copied out and in with
+    ``get_state``/``set_state``; a client saved with NumPy's legacy state
+    tuple (earlier versions) continues the same stream."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from fedaval.build import build_run
+
+    def draw():
+        return random.random(), float(np.random.random_sample()), float(torch.rand(()))
+
+    run = build_run(tiny_config())
+    client = run.clients[0]
+    start = client.rng["numpy"].state["state"]
+    legacy = {**client.rng, "numpy": ("MT19937", start["key"].copy(), start["pos"], 0, 0.0)}
+
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    outside_alone = [draw() for _ in range(3)]
+
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    outside, inside = [], []
+    for _ in range(3):
+        with monkeypatch.context() as m:
+            m.setattr(np.random, "get_state", lambda *a, **k: pytest.fail("a scope copied NumPy's state"))
+            m.setattr(np.random, "set_state", lambda *a, **k: pytest.fail("a scope copied NumPy's state"))
+            with client.rng_scope():
+                inside.append(draw())
+        outside.append(draw())
+    assert outside == outside_alone
+
+    client.rng = legacy
+    with client.rng_scope():
+        again = [draw() for _ in range(3)]
+    assert again == inside
