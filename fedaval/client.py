@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from numpy.random.mtrand import get_bit_generator, set_bit_generator
 from torch import nn
 
 from fedaval.atomic import atomic_file
@@ -274,9 +275,9 @@ def swap_streams(streams: dict[str, Any], device: torch.device) -> dict[str, Any
     nothing from ``np.random``; a plugin that draws legacy normals an odd
     number of times per scope gets a different, still reproducible, sequence
     than it would if the cache were carried over."""
-    previous = {"python": random.getstate(), "numpy": np.random.get_bit_generator(), "torch": torch.get_rng_state()}
+    previous = {"python": random.getstate(), "numpy": get_bit_generator(), "torch": torch.get_rng_state()}
     random.setstate(streams["python"])
-    np.random.set_bit_generator(numpy_bit_generator(streams["numpy"]))
+    set_bit_generator(numpy_bit_generator(streams["numpy"]))
     torch.set_rng_state(streams["torch"])
     if device.type == "cuda":
         previous["cuda"] = torch.cuda.get_rng_state(device)
