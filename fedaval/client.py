@@ -267,8 +267,8 @@ def swap_streams(streams: dict[str, Any], device: torch.device) -> dict[str, Any
     generator (``np.random.*``) is switched to the client's own MT19937 bit
     generator object, which then advances in place
     (``np.random.set_bit_generator``, about 1 microsecond): copying its 2.5 KB
-    state out and in with ``get_state``/``set_state`` took about 0.2 ms per
-    client scope, a tenth of a small round's fixed cost (docs/performance.md).
+    state out and in with ``get_state``/``set_state`` took 0.2 to 0.4 ms per
+    client scope here, two scopes per client and round (docs/performance.md).
     Switching the bit generator empties the legacy generator's cache of one
     normal deviate (NumPy's legacy ``normal`` draws them in pairs), so a scope
     starts without one; the draws are otherwise the same. fedaval draws
