@@ -14,7 +14,11 @@ time minus the seconds the clients spent in local training
 over the last 10 rounds ("round ~N"), each with its breakdown (local training,
 fusion + evaluation inside ``run_round``, and what follows it: results,
 checkpoint, TensorBoard), then the fixed cost's median per 10% of the run, so
-growth is visible. Not a test: nothing is asserted. The machine's load
+growth is visible. Each breakdown also gives the models' forward passes in
+evaluation (:class:`EvaluationForward`) and the fixed cost less them: each stage
+adds one test experience that the server and every client evaluate, work that
+grows with the stages whatever the framework, so the second figure is what
+the framework itself adds per round. Not a test: nothing is asserted. The machine's load
 (``os.getloadavg``) is printed before and after, since the machine may be
 shared.
 """
@@ -26,6 +30,8 @@ import os
 import statistics
 import sys
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -66,7 +72,9 @@ def main(argv=None) -> int:
         if args.checkpoint_every is not None:
             settings["checkpoint_every"] = args.checkpoint_every
         config = check_settings(RunConfig(**settings))
-        timed = timed_rounds(config)
+        forward = EvaluationForward()
+        with forward.timing():
+            timed = timed_rounds(config)
         build_s, total, walls, records = timed.build_s, timed.total_s, timed.walls, timed.records
         folder = Path(config.out)
         sizes = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
@@ -75,13 +83,16 @@ def main(argv=None) -> int:
     inside = [r["seconds"] - r["seconds_local"] for r in records]  # fusion, evaluation, offloading
     after = [w - r["seconds"] for w, r in zip(walls, records)]  # results, checkpoint, TensorBoard
     fixed = [w - s for w, s in zip(walls, local)]
+    evaluation_forward = forward.per_round[:n]
+    beyond = [f - e for f, e in zip(fixed, evaluation_forward)]  # less the models' forward passes in evaluation
 
     def window(lo: int, hi: int) -> str:
         med = lambda xs: 1000 * statistics.median(xs[lo:hi])  # noqa: E731
         return (
             f"rounds {lo + 1}-{hi}: wall {med(walls):7.2f} ms  local training {med(local):6.2f} ms  "
             f"fixed {med(fixed):7.2f} ms  (fusion+evaluation {med(inside):6.2f} ms, "
-            f"results+checkpoint+TensorBoard {med(after):6.2f} ms)"
+            f"results+checkpoint+TensorBoard {med(after):6.2f} ms; evaluation forward passes "
+            f"{med(evaluation_forward):6.2f} ms, fixed less them {med(beyond):6.2f} ms)"
         )
 
     print(
@@ -99,8 +110,54 @@ def main(argv=None) -> int:
         "fixed cost per round, median per tenth of the run (ms): "
         + " ".join(f"{1000 * statistics.median(fixed[i : i + tenth]):.1f}" for i in range(0, n - tenth + 1, tenth))
     )
+    print(
+        "fixed cost less the evaluation forward passes, median per tenth of the run (ms): "
+        + " ".join(f"{1000 * statistics.median(beyond[i : i + tenth]):.1f}" for i in range(0, n - tenth + 1, tenth))
+    )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
+
+
+class EvaluationForward:
+    """Seconds spent in the models' forward passes during evaluation
+    (``FederatedStrategy.forward`` outside training: the server's and the
+    clients'), summed per round: the work that grows with the test
+    experiences seen, which a plain loop evaluating the same models on the
+    same experiences does too. The timer adds about a microsecond per
+    evaluated minibatch."""
+
+    def __init__(self) -> None:
+        self.per_round: list[float] = []
+        self._seconds = 0.0
+
+    @contextmanager
+    def timing(self):
+        import fedaval.coordinator as coordinator
+        from fedaval.strategy import FederatedStrategy
+
+        forward, run_round = FederatedStrategy.forward, coordinator.run_round
+
+        def timed_forward(strategy):
+            if strategy.is_training:
+                return forward(strategy)
+            start = time.perf_counter()
+            try:
+                return forward(strategy)
+            finally:
+                self._seconds += time.perf_counter() - start
+
+        def timed_round(*args, **kwargs):
+            self._seconds = 0.0
+            try:
+                return run_round(*args, **kwargs)
+            finally:
+                self.per_round.append(self._seconds)
+
+        FederatedStrategy.forward, coordinator.run_round = timed_forward, timed_round
+        try:
+            yield self
+        finally:
+            FederatedStrategy.forward, coordinator.run_round = forward, run_round
 
 
 if __name__ == "__main__":

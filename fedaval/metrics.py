@@ -26,6 +26,12 @@ from avalanche.evaluation.metric_utils import get_metric_name, phase_and_task, s
 from avalanche.evaluation.metrics import Mean
 from avalanche.evaluation.metrics.forgetting_bwt import Forgetting
 
+#: The experience metrics' names, in the order they are emitted.
+EXPERIENCE_METRICS = ("Top1_Acc_Exp", "ExperienceForgetting", "ExperienceBWT")
+
+#: At most this many experiences' metric names are kept (all are dropped when it is full).
+NAMES_KEPT = 1024
+
 
 class AccuracyForgettingBWT(PluginMetric[None]):
     """``Top1_Acc_Exp``, ``ExperienceForgetting``, ``ExperienceBWT`` after each
@@ -80,22 +86,46 @@ class AccuracyForgettingBWT(PluginMetric[None]):
         self._stream_accuracy.update(accuracy, total)
 
     def after_eval_exp(self, strategy: Any) -> list[MetricValue]:
-        exp = strategy.experience.current_experience
+        exp, accuracy_name, forgetting_name, bwt_name = self._experience_names(strategy)
         accuracy = self._exp_accuracy.result()
         self._exp_accuracy.reset()
         self.forgetting.update(exp, accuracy, initial=self.train_exp_id == exp)
         x = strategy.clock.train_iterations
-        values = [MetricValue(self, get_metric_name("Top1_Acc_Exp", strategy, add_experience=True), accuracy, x)]
+        values = [MetricValue(self, accuracy_name, accuracy, x)]
         forgetting = self.forgetting.result_key(exp)
         if forgetting is not None:
             bwt = -1 * forgetting
-            values.append(
-                MetricValue(self, get_metric_name("ExperienceForgetting", strategy, add_experience=True), forgetting, x)
-            )
-            values.append(MetricValue(self, get_metric_name("ExperienceBWT", strategy, add_experience=True), bwt, x))
+            values.append(MetricValue(self, forgetting_name, forgetting, x))
+            values.append(MetricValue(self, bwt_name, bwt, x))
             self._stream_forgetting.update(forgetting, weight=1)
             self._stream_bwt.update(bwt, weight=1)
         return values
+
+    def _experience_names(self, strategy: Any) -> tuple[int, str, str, str]:
+        """The evaluated experience's id and its three metric names, as
+        ``get_metric_name`` makes them (about 16 us each): kept per experience
+        object. ``fedaval.evaluation.MetricsEvaluator`` passes the same logging
+        view of an experience at every evaluation, so they are made once per
+        experience and run; at most :data:`NAMES_KEPT` experiences, never
+        pickled. An experience object's id, stream, task labels and the phase
+        (evaluation) do not change while it is kept."""
+        experience = strategy.experience
+        names = self.__dict__.setdefault("_names", {})
+        entry = names.get(id(experience))
+        if entry is None or entry[0] is not experience:
+            if len(names) >= NAMES_KEPT:
+                names.clear()
+            entry = names[id(experience)] = (
+                experience,
+                experience.current_experience,
+                *(get_metric_name(name, strategy, add_experience=True) for name in EXPERIENCE_METRICS),
+            )
+        return entry[1:]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_names", None)
+        return state
 
     def after_eval(self, strategy: Any) -> list[MetricValue]:
         phase, _ = phase_and_task(strategy)

@@ -75,7 +75,9 @@ class Run:
     ``SummaryWriter``), ``tb_scalars`` (scalars waiting to go out as one event,
     :func:`fedaval.evaluation.add_scalar`), ``device_tensors`` (the dataset's copies on
     ``device``), ``use_device_path`` (``--data-path`` decided), ``test_batches``
-    (evaluation's minibatches of the test split, :data:`fedaval.device_data.TEST_BATCH_CACHE_BYTES`), and
+    (evaluation's minibatches of the test split, :data:`fedaval.device_data.TEST_BATCH_CACHE_BYTES`),
+    ``eval_views`` (each evaluated experience's dataset in its eval view,
+    :meth:`fedaval.strategy.FederatedStrategy.eval_dataset_adaptation`), and
     ``offload_folder`` (where ``--offload-clients disk`` writes when the run
     has no folder), ``offload_auto`` (what ``--offload-clients auto`` chose); ``test_experiences`` (the clients' test experiences, one
     per task and set of new classes, by name: :func:`fedaval.streams.shared_test_stream`); ``on_client`` (a progress callback the API sets:
@@ -114,6 +116,9 @@ class Run:
         self.device_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.use_device_path: bool | None = None
         self.test_batches: dict[Any, Any] = {}  # fedaval.device_data.TEST_BATCH_CACHE_BYTES
+        self.eval_views: dict[
+            int, tuple[Any, Any, Any]
+        ] = {}  # fedaval.strategy.FederatedStrategy.eval_dataset_adaptation
         self.offload_folder: Path | None = None
         self.offload_auto: str | None = None  # what --offload-clients auto chose (fedaval.offload.policy)
         self.test_experiences: dict[str, Any] = {}  # name -> the clients' shared test experience (or None)

@@ -96,6 +96,13 @@ class Batch:
     loss: torch.Tensor
 
 
+#: At most this many experiences' eval views are kept in ``run.eval_views``
+#: (all are dropped when it is full): a run's test experiences are a few per
+#: task; a plugin evaluating new experience objects every round would otherwise
+#: make the cache grow with the rounds done.
+EVAL_VIEWS_KEPT = 1024
+
+
 class FederatedStrategy(SupervisedTemplate):
     """A ``SupervisedTemplate`` whose experience may span several ``train()``
     calls (rounds), and whose forward pass goes through the model's split and
@@ -208,6 +215,24 @@ class FederatedStrategy(SupervisedTemplate):
             device = torch.device("cuda", torch.cuda.current_device())
         tensors = [*model.parameters(), *model.buffers()]
         return bool(tensors) and all(t.device == device for t in tensors)
+
+    def eval_dataset_adaptation(self, **kwargs):
+        """Avalanche's (``adapted_dataset`` is the experience's dataset in its
+        eval view), with the view made once per experience and run rather than
+        at every evaluation: ``dataset.eval()`` clones the Avalanche dataset and
+        its transform groups, about 30 us, and the server and every client
+        evaluate every seen experience after every round. The views are kept
+        in ``run.eval_views`` (never in a checkpoint), by experience, and
+        reused while the experience still holds the same dataset object."""
+        experience = self.experience
+        dataset = experience.dataset
+        views = self.run.eval_views
+        entry = views.get(id(experience))
+        if entry is None or entry[0] is not experience or entry[1] is not dataset:
+            if len(views) >= EVAL_VIEWS_KEPT:
+                views.clear()
+            entry = views[id(experience)] = (experience, dataset, dataset.eval())
+        self.adapted_dataset = entry[2]
 
     def make_eval_dataloader(self, **kwargs):
         batches = None if kwargs else eval_batches(self.run, self.adapted_dataset, self.eval_mb_size)

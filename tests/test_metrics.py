@@ -450,3 +450,61 @@ def test_one_pass_metrics_emit_what_avalanches_six_metrics_emit(tiny_config, mon
         emitted = [name for batch in recorder.ours for name, _ in batch]
         assert any(name.startswith("ExperienceForgetting/") for name in emitted)
         assert "StreamBWT/eval_phase/test_stream" in emitted and "Top1_Acc_Stream/eval_phase/test_stream" in emitted
+
+
+def test_evaluation_makes_each_experiences_views_and_names_once(tiny_config, monkeypatch):
+    """An evaluated experience's eval view of its dataset, its logging view
+    and its metric names are made at its first evaluation and reused: the
+    server's second evaluation makes none and emits the same metrics. An
+    experience given a new dataset gets new views and names, with the same
+    metrics; training callbacks get a fresh logging copy every time, as in
+    Avalanche; the caches are not pickled."""
+    from types import SimpleNamespace
+
+    from avalanche.benchmarks.scenarios.generic_scenario import CLExperience
+    from avalanche.benchmarks.utils.data import AvalancheDataset
+
+    import fedaval.metrics as metrics
+    from fedaval import state
+    from fedaval.build import build_run
+
+    made: list[str] = []
+
+    def counting(owner, name, label):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            made.append(label)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    counting(AvalancheDataset, "eval", "eval view")
+    counting(CLExperience, "logging", "logging view")
+    counting(metrics, "get_metric_name", "name")
+    run = build_run(tiny_config(scenario_options={"clients": 2, "tasks": 3}))
+    server = run.server
+    made.clear()
+    server.begin_task(0)  # the evaluator's before_training_exp already sees the experiences' logging views
+    server.begin_task(1)
+    first = server.evaluate()
+    assert made.count("eval view") == 2 and made.count("logging view") == 2 and made.count("name") == 2 * 3 + 1
+    made.clear()
+    assert server.evaluate() == first
+    assert "eval view" not in made and "logging view" not in made
+    assert made.count("name") == 1  # the stream accuracy's, once per evaluation (not per experience)
+
+    experience = server.test_stream[1]
+    experience._dataset = experience._dataset.train()  # the same samples, a new dataset object
+    made.clear()
+    assert server.evaluate() == first
+    assert made.count("eval view") == 1 and made.count("logging view") == 1 and made.count("name") == 1 + 3
+
+    evaluator = server.strategy.evaluator
+    training = SimpleNamespace(is_training=True)
+    assert evaluator.logging_view(experience, training) is not evaluator.logging_view(experience, training)
+    assert "_logging_views" in vars(evaluator) and "_logging_views" not in evaluator.__getstate__()
+    metric = evaluator.metrics[0]
+    assert "_names" in vars(metric) and "_names" not in metric.__getstate__()
+    restored = state.loads(run, state.dumps(run, evaluator))
+    assert not hasattr(restored, "_logging_views") or not restored._logging_views
