@@ -148,3 +148,15 @@ def test_gpu_ceilings_runs_on_the_cpu(cifar10_root):
     for line in ("batch 64 (the limit)", "batch 32, bf16", "batch 32, channels-last", "batch 32 x 2 processes"):
         assert line in out
     assert "CUDA graph" not in out  # the GPU only
+
+
+def test_round_cost_benchmark_splits_out_the_evaluation_forward_passes():
+    import re
+
+    out = run("round_cost.py", "--rounds-per-task", "16", "--tasks", "1")
+    forward = [float(x) for x in re.findall(r"evaluation forward passes +([0-9.]+) ms", out)]
+    fixed = [float(x) for x in re.findall(r"fixed +([0-9.]+) ms", out)]
+    beyond = [float(x) for x in re.findall(r"fixed less them +([0-9.]+) ms", out)]
+    assert len(forward) == len(fixed) == len(beyond) == 2
+    assert all(f > 0 for f in forward)  # the evaluation's forward passes were timed, every round
+    assert "fixed cost less the evaluation forward passes, median per tenth of the run (ms):" in out
