@@ -176,7 +176,9 @@ class MetricsEvaluator(EvaluationPlugin):
     forgetting and BWT on the test stream only act in evaluation callbacks)
     and every logger, after swapping ``strategy.experience`` for a logging
     copy; per training minibatch that is seven callbacks. The others are
-    skipped here; what is computed and logged is the same."""
+    skipped here; what is computed and logged is the same. In evaluation the
+    logging copy of each experience is made once and reused
+    (:meth:`logging_view`)."""
 
     def __init__(self, *metrics: Any, **kwargs: Any):
         super().__init__(*metrics, **kwargs)
@@ -261,8 +263,11 @@ def same_attributes(obj: Any, attributes: dict[str, Any]) -> bool:
     """Whether ``obj``'s instance attributes are the very objects in ``attributes``."""
     current = vars(obj)
     return len(current) == len(attributes) and all(
-        current.get(name, attributes) is value for name, value in attributes.items()
+        current.get(name, _MISSING) is value for name, value in attributes.items()
     )
+
+
+_MISSING = object()
 
 
 def _evaluator_callback(name: str):
