@@ -17,6 +17,8 @@ from avalanche.core import SupervisedPlugin
 from avalanche.logging import TensorboardLogger
 from avalanche.training.plugins import EvaluationPlugin
 
+from fedaval.object_cache import ObjectCache
+
 if TYPE_CHECKING:
     from fedaval.run import Run
 
@@ -238,25 +240,17 @@ class MetricsEvaluator(EvaluationPlugin):
         in every callback (about 14 us; two per evaluated experience). In
         evaluation the copy of each experience is kept and reused for as long
         as the experience's attributes are the same objects as when it was
-        made (an experience given a new attribute value gets a new view);
-        kept for at most :data:`LOGGING_VIEWS_KEPT` experiences, never pickled.
+        made (an experience given a new attribute value gets a new view;
+        :class:`fedaval.object_cache.ObjectCache`), never pickled.
         In training a new copy is made every time, as Avalanche does."""
         if strategy.is_training:
             return experience.logging()
-        views = self.__dict__.setdefault("_logging_views", {})
-        entry = views.get(id(experience))
-        if entry is not None and entry[0] is experience and same_attributes(experience, entry[1]):
-            return entry[2]
-        if len(views) >= LOGGING_VIEWS_KEPT:
-            views.clear()
-        view = experience.logging()
-        views[id(experience)] = (experience, dict(vars(experience)), view)
+        _, view = ObjectCache.of(self, "_logging_views").get(
+            experience,
+            lambda exp: (dict(vars(exp)), exp.logging()),
+            valid=lambda kept: same_attributes(experience, kept[0]),
+        )
         return view
-
-
-#: At most this many experiences' logging views are kept per evaluator (all
-#: are dropped when it is full).
-LOGGING_VIEWS_KEPT = 1024
 
 
 def same_attributes(obj: Any, attributes: dict[str, Any]) -> bool:

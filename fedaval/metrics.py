@@ -26,11 +26,10 @@ from avalanche.evaluation.metric_utils import get_metric_name, phase_and_task, s
 from avalanche.evaluation.metrics import Mean
 from avalanche.evaluation.metrics.forgetting_bwt import Forgetting
 
+from fedaval.object_cache import ObjectCache
+
 #: The experience metrics' names, in the order they are emitted.
 EXPERIENCE_METRICS = ("Top1_Acc_Exp", "ExperienceForgetting", "ExperienceBWT")
-
-#: At most this many experiences' metric names are kept (all are dropped when it is full).
-NAMES_KEPT = 1024
 
 
 class AccuracyForgettingBWT(PluginMetric[None]):
@@ -106,21 +105,16 @@ class AccuracyForgettingBWT(PluginMetric[None]):
         ``get_metric_name`` makes them (about 16 us each): kept per experience
         object. ``fedaval.evaluation.MetricsEvaluator`` passes the same logging
         view of an experience at every evaluation, so they are made once per
-        experience and run; at most :data:`NAMES_KEPT` experiences, never
+        experience and run (:class:`fedaval.object_cache.ObjectCache`), never
         pickled. An experience object's id, stream, task labels and the phase
         (evaluation) do not change while it is kept."""
-        experience = strategy.experience
-        names = self.__dict__.setdefault("_names", {})
-        entry = names.get(id(experience))
-        if entry is None or entry[0] is not experience:
-            if len(names) >= NAMES_KEPT:
-                names.clear()
-            entry = names[id(experience)] = (
-                experience,
+        return ObjectCache.of(self, "_names").get(
+            strategy.experience,
+            lambda experience: (
                 experience.current_experience,
                 *(get_metric_name(name, strategy, add_experience=True) for name in EXPERIENCE_METRICS),
-            )
-        return entry[1:]
+            ),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -116,8 +116,9 @@ class Run:
         self.device_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.use_device_path: bool | None = None
         self.test_batches: dict[Any, Any] = {}  # fedaval.device_data.TEST_BATCH_CACHE_BYTES
-        # experience id -> (experience, its dataset, the dataset's eval view): FederatedStrategy.eval_dataset_adaptation
-        self.eval_views: dict[int, tuple[Any, Any, Any]] = {}
+        # experience -> (its dataset, the dataset's eval view): an ObjectCache made by
+        # FederatedStrategy.eval_dataset_adaptation on first use
+        self.eval_views: Any = None
         self.offload_folder: Path | None = None
         self.offload_auto: str | None = None  # what --offload-clients auto chose (fedaval.offload.policy)
         self.test_experiences: dict[str, Any] = {}  # name -> the clients' shared test experience (or None)

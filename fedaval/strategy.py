@@ -35,6 +35,7 @@ from avalanche.training.templates import SupervisedTemplate
 from fedaval.cuda_graphs import GraphedFeatures
 from fedaval.device_data import device_batches, eval_batches
 from fedaval.errors import FedavalUsageError
+from fedaval.object_cache import ObjectCache
 from fedaval.plugin import CORE_LOSS_TERMS
 
 
@@ -94,13 +95,6 @@ class Batch:
     features: torch.Tensor
     logits: torch.Tensor
     loss: torch.Tensor
-
-
-#: At most this many experiences' eval views are kept in ``run.eval_views``
-#: (all are dropped when it is full): a run's test experiences are a few per
-#: task; a plugin evaluating new experience objects every round would otherwise
-#: make the cache grow with the rounds done.
-EVAL_VIEWS_KEPT = 1024
 
 
 class FederatedStrategy(SupervisedTemplate):
@@ -224,15 +218,10 @@ class FederatedStrategy(SupervisedTemplate):
         evaluate every seen experience after every round. The views are kept
         in ``run.eval_views`` (never in a checkpoint), by experience, and
         reused while the experience still holds the same dataset object."""
-        experience = self.experience
-        dataset = experience.dataset
-        views = self.run.eval_views
-        entry = views.get(id(experience))
-        if entry is None or entry[0] is not experience or entry[1] is not dataset:
-            if len(views) >= EVAL_VIEWS_KEPT:
-                views.clear()
-            entry = views[id(experience)] = (experience, dataset, dataset.eval())
-        self.adapted_dataset = entry[2]
+        dataset = self.experience.dataset
+        _, self.adapted_dataset = ObjectCache.of(self.run, "eval_views").get(
+            self.experience, lambda _: (dataset, dataset.eval()), valid=lambda kept: kept[0] is dataset
+        )
 
     def make_eval_dataloader(self, **kwargs):
         batches = None if kwargs else eval_batches(self.run, self.adapted_dataset, self.eval_mb_size)
