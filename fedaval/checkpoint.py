@@ -54,7 +54,7 @@ from fedaval.errors import FedavalUsageError
 if TYPE_CHECKING:
     from fedaval.run import Run
 
-FORMAT = 3  # still read: 1, one RunPickler pickle holding the results too; 2, the storages inside "state"
+FORMAT = 4  # still read: 1, one RunPickler pickle holding the results too; 2, the storages inside "state"; 3, typed kept storages
 FOLDER = "checkpoints"
 _NAME = re.compile(r"^round-(\d{6})\.ckpt$")
 
@@ -207,7 +207,7 @@ def restore(run: Run, path: Path) -> dict[str, Any]:
     """Load checkpoint ``path`` over a freshly built ``run``; return the results so far."""
     with open(path, "rb") as fh:
         content = state.load(run, fh)  # formats 2 and 3 hold no references here: this is plain pickle.load
-    if not isinstance(content, dict) or content.get("format") not in (1, 2, FORMAT):
+    if not isinstance(content, dict) or content.get("format") not in range(1, FORMAT + 1):
         raise FedavalUsageError(f"{path} is not a fedaval checkpoint of format 1 to {FORMAT}")
     if content["format"] > 1:
         content = {**state.loads(run, content["state"], keep=content.get("storages")), **content}

@@ -122,7 +122,7 @@ def test_offloading_to_memory_keeps_the_tensors_storages_instead_of_copying_them
     assert values.cpu().numpy().tobytes() not in blob  # the weights are not in the pickle
     assert all(s.device.type == "cpu" for s in kept.storages)  # a GPU's storages wait in host memory
     if weight.device.type == "cpu":  # on the CPU, kept as they are and used again
-        assert pointer in {s._untyped_storage.data_ptr() for s in kept.storages}
+        assert pointer in {s.data_ptr() for s in kept.storages}
     else:  # on a GPU, copied to the host (the device memory is freed) and back to the device when loaded
         assert f"{weight.device.type}:{weight.device.index or 0}" in kept.devices
     loaded = client.model.classifier.weight
@@ -146,11 +146,13 @@ def test_kept_storages_pickle_as_raw_bytes_and_come_back_equal(protocol):
     assert data.count(b"PK") == 0  # no torch.save archive per storage
     back = pickle.loads(data)
     assert len(back) == 4 and back.nbytes == kept.nbytes
-    for t, storage in zip(tensors, back.storages):
-        assert storage.dtype == t.dtype and torch.equal(torch.tensor([], dtype=t.dtype).set_(storage), t)
+    for t, storage in zip(tensors, back.storages):  # bytes only: the dtype goes with each tensor's reference
+        assert isinstance(storage, torch.UntypedStorage)
+        assert torch.equal(torch.tensor([], dtype=t.dtype).set_(storage, 0, t.shape, t.stride()), t)
     assert bytes(torch.empty(0, dtype=torch.uint8).set_(back.storages[3]).numpy()) == bytes([7])
-    back.storages[0][0] = 99.0  # storages of their own, not views of the pickle's bytes
-    assert back.storages[0][0] == 99.0 and tensors[0][0] == 0.0
+    first = torch.tensor([], dtype=torch.float32).set_(back.storages[0], 0, (6,), (1,))
+    first[0] = 99.0  # storages of their own, not views of the pickle's bytes
+    assert first[0] == 99.0 and tensors[0][0] == 0.0
 
 
 def test_kept_storages_of_format_2_checkpoints_are_still_read():
@@ -235,3 +237,77 @@ def test_clients_share_the_runs_test_experiences_and_save_them_by_name(tiny_conf
         for c in resumed.clients
         for t, n in enumerate(sorted(resumed.test_experiences))
     )
+
+
+def test_plain_tensors_are_written_as_references_to_kept_storages_and_load_as_torch_loads_them(monkeypatch):
+    """A kept pickle writes a plain tensor or parameter as one reference (its
+    storage's index, offset, size, stride, dtype, requires_grad) instead of
+    torch's ``__reduce_ex__``; what loads is what torch's reduction loads.
+    Tensors torch reduces differently (Python attributes, a conjugate bit)
+    still go through torch, and still share their storage with plain ones."""
+    import io
+
+    from fedaval.state import KeptStorages, RunPickler, RunUnpickler
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    column = base[:, 1]  # a view: offset 1, stride (4,)
+    as_ints = base.view(torch.int32)  # the same storage, another dtype
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    frozen = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    leaf = torch.ones(2, requires_grad=True)
+    tagged = base[0]  # torch's way: a Python attribute
+    tagged.note = "kept"
+    conj = torch.tensor([1 + 2j]).conj()  # torch's way: the conjugate bit
+    objects = [base, column, as_ints, weight, frozen, leaf, tagged, conj, weight]
+
+    torch_reductions = []
+    original = torch.Tensor.__reduce_ex__
+    monkeypatch.setattr(torch.Tensor, "__reduce_ex__", lambda t, p: torch_reductions.append(t) or original(t, p))
+    kept = KeptStorages(copy=True)
+    buffer = io.BytesIO()
+    RunPickler(buffer, {}, keep=kept).dump(objects)
+    assert [id(t) for t in torch_reductions] == [id(tagged), id(conj)]
+    assert len(kept) == 5  # base's storage once for base, column, as_ints and tagged
+
+    loaded = RunUnpickler(io.BytesIO(buffer.getvalue()), {}, keep=kept).load()
+    for before, after in zip(objects, loaded, strict=True):
+        assert type(after) is type(before) and after.dtype == before.dtype
+        assert after.shape == before.shape and after.stride() == before.stride()
+        assert after.storage_offset() == before.storage_offset() and after.requires_grad == before.requires_grad
+        assert torch.equal(after.resolve_conj(), before.resolve_conj()) and after.grad is None
+    new_base, new_column, new_ints, new_weight, _, _, new_tagged, _, weight_again = loaded
+    assert weight_again is new_weight and new_tagged.note == "kept"
+    new_base[0, 1] = -1.0
+    assert new_column[0] == -1.0 and new_tagged[1] == -1.0  # one storage again, torch's way included
+    assert new_ints[0, 1] == torch.tensor([-1.0]).view(torch.int32)
+
+
+def test_ordered_dicts_are_written_without_copyregs_slotnames(monkeypatch):
+    """``copyreg._slotnames`` cannot cache its answer on ``OrderedDict`` (a
+    built-in type), so OrderedDict's own reduction called it for each of the
+    dozen OrderedDicts of every ``nn.Module``; the pickler writes them as that
+    reduction does, without the call. An OrderedDict with attributes still
+    takes its own reduction."""
+    import copyreg
+    import io
+    from collections import OrderedDict
+
+    from fedaval.state import RunPickler, RunUnpickler
+
+    calls = []
+    original = copyreg._slotnames
+    monkeypatch.setattr(copyreg, "_slotnames", lambda cls: calls.append(cls) or original(cls))
+    plain = OrderedDict([("b", 1), ("a", [2])])
+    empty = OrderedDict()
+    with_attribute = OrderedDict(x=1)
+    with_attribute.note = "kept"
+    buffer = io.BytesIO()
+    RunPickler(buffer, {}).dump([plain, empty, plain])
+    assert calls == []
+    back = RunUnpickler(io.BytesIO(buffer.getvalue()), {}).load()
+    assert back == [plain, empty, plain] and list(back[0]) == ["b", "a"] and back[0] is back[2]
+    assert all(type(d) is OrderedDict for d in back)
+    buffer = io.BytesIO()
+    RunPickler(buffer, {}).dump(with_attribute)
+    loaded = RunUnpickler(io.BytesIO(buffer.getvalue()), {}).load()
+    assert loaded == with_attribute and loaded.note == "kept"
