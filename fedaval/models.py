@@ -17,6 +17,23 @@ from torch import nn
 from fedaval.errors import choice_error
 
 
+def is_on(model: nn.Module, device: torch.device | str) -> bool:
+    """Whether ``model`` has a parameter or buffer and all of them are on
+    ``device`` (``cuda`` meaning the current CUDA device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and all(t.device == device for t in tensors)
+
+
+def to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``model.to(device)``, without its walk over every module and tensor
+    when they are all there already (about 0.4 ms for ``cnn`` on the CPU, and
+    a cross-device run builds 1000 clients' models); the same model either way."""
+    return model if is_on(model, device) else model.to(device)
+
+
 class SplitModel(nn.Module):
     """``classifier(features(x))``. ``feature_dim`` is the width of the features."""
 

@@ -55,3 +55,21 @@ def test_split_any_torchvision_model_at_its_last_linear_layer():
 def test_unsplittable_model_is_refused():
     with pytest.raises(ValueError, match="no last linear layer"):
         split_model(torch.nn.Sequential(torch.nn.Conv2d(1, 1, 1)))
+
+
+def test_to_device_moves_only_a_model_not_already_there(monkeypatch):
+    """Building a client skips ``Module.to``'s walk over every module when the
+    model is already on the run's device; a model elsewhere is moved."""
+    from fedaval.models import is_on, to_device
+
+    moved = []
+    original = torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(self) or original(self, *a, **k))
+    here = torch.nn.Linear(2, 2)
+    assert is_on(here, "cpu") and to_device(here, torch.device("cpu")) is here and moved == []
+    elsewhere = torch.nn.Linear(2, 2, device="meta")
+    assert not is_on(elsewhere, "cpu")
+    assert to_device(elsewhere, "meta") is elsewhere and moved == []
+    empty = torch.nn.ReLU()  # nothing to tell where it is: moved, as before
+    to_device(empty, "cpu")
+    assert moved == [empty]
