@@ -23,7 +23,6 @@ from fedaval.client import Client
 from fedaval.config import RunConfig
 from fedaval.datasets import load_dataset
 from fedaval.errors import FedavalUsageError
-from fedaval.models import to_device
 from fedaval.options import build_options
 from fedaval.plugin_manager import get_plugin_manager, load_plugins
 from fedaval.run import Run
@@ -85,7 +84,7 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
     run.clients = []
     with state.no_cyclic_gc():  # 1000 cnn clients are 3 million objects: collections on the way cost ~2 s
         for k, tasks in enumerate(run.partition.clients):
-            run.clients.append(Client(run, k, tasks, to_device(run.model(k), run.device)))
+            run.clients.append(Client(run, k, tasks, run.model(k).to(run.device)))
             offload.offload(run, run.clients[-1])  # per --offload-clients, before the next one is built
     return run
 

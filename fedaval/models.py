@@ -27,13 +27,6 @@ def is_on(model: nn.Module, device: torch.device | str) -> bool:
     return bool(tensors) and all(t.device == device for t in tensors)
 
 
-def to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """``model.to(device)``, without its walk over every module and tensor
-    when they are all there already (about 0.4 ms for ``cnn`` on the CPU, and
-    a cross-device run builds 1000 clients' models); the same model either way."""
-    return model if is_on(model, device) else model.to(device)
-
-
 class SplitModel(nn.Module):
     """``classifier(features(x))``. ``feature_dim`` is the width of the features."""
 
@@ -45,6 +38,17 @@ class SplitModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+    def to(self, *args, **kwargs):
+        """``nn.Module.to``, returning at once when it is a move to the device
+        every parameter and buffer is already on: that walk over every module
+        and tensor changes nothing then, and costs about 0.4 ms for ``cnn``
+        (Avalanche's ``train()`` makes it at every local round, and a
+        cross-device run builds 1000 clients' models)."""
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and dtype is None and memory_format is None and is_on(self, device):
+            return self
+        return super().to(*args, **kwargs)
 
     def classifier_keys(self) -> list[str]:
         """state_dict keys of the classifier (the personal head of FedRep/GLDP)."""

@@ -57,19 +57,27 @@ def test_unsplittable_model_is_refused():
         split_model(torch.nn.Sequential(torch.nn.Conv2d(1, 1, 1)))
 
 
-def test_to_device_moves_only_a_model_not_already_there(monkeypatch):
-    """Building a client skips ``Module.to``'s walk over every module when the
-    model is already on the run's device; a model elsewhere is moved."""
-    from fedaval.models import is_on, to_device
+def test_a_split_model_moved_where_it_already_is_skips_the_walk(monkeypatch):
+    """``SplitModel.to`` returns at once for a move to the device all its
+    tensors are on (Avalanche moves the model at every local round); a move
+    elsewhere, a dtype change, or a model on another device takes
+    ``nn.Module.to``, with the same results."""
+    from fedaval.models import SplitModel, is_on
 
-    moved = []
-    original = torch.nn.Module.to
-    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(self) or original(self, *a, **k))
-    here = torch.nn.Linear(2, 2)
-    assert is_on(here, "cpu") and to_device(here, torch.device("cpu")) is here and moved == []
-    elsewhere = torch.nn.Linear(2, 2, device="meta")
-    assert not is_on(elsewhere, "cpu")
-    assert to_device(elsewhere, "meta") is elsewhere and moved == []
-    empty = torch.nn.ReLU()  # nothing to tell where it is: moved, as before
-    to_device(empty, "cpu")
-    assert moved == [empty]
+    walked = []
+    original = torch.nn.Module._apply
+    monkeypatch.setattr(torch.nn.Module, "_apply", lambda self, *a, **k: walked.append(self) or original(self, *a, **k))
+    model = SplitModel(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2), 3)
+    weight = model.classifier.weight
+    assert model.to("cpu") is model and model.to(torch.device("cpu")) is model and model.to(device="cpu") is model
+    assert walked == [] and model.classifier.weight is weight
+    assert model.to(torch.float64) is model and walked and model.classifier.weight.dtype == torch.float64
+    walked.clear()
+    on_meta = SplitModel(torch.nn.Linear(2, 3, device="meta"), torch.nn.Linear(3, 2, device="meta"), 3)
+    assert not is_on(on_meta, "cpu") and is_on(on_meta, "meta")
+    assert on_meta.to("meta") is on_meta and walked == []
+    with pytest.raises(NotImplementedError):  # a move elsewhere is nn.Module's (which cannot copy out of meta)
+        on_meta.to("cpu")
+    assert walked
+    on_meta.to_empty(device="cpu")  # nn.Module's own moves still work
+    assert is_on(on_meta, "cpu")
