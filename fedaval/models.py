@@ -42,9 +42,9 @@ class SplitModel(nn.Module):
     def to(self, *args, **kwargs):
         """``nn.Module.to``, returning at once when it is a move to the device
         every parameter and buffer is already on: that walk over every module
-        and tensor changes nothing then, and costs about 0.4 ms for ``cnn``
-        (Avalanche's ``train()`` makes it at every local round, and a
-        cross-device run builds 1000 clients' models)."""
+        and tensor changes nothing then, and costs about 0.16 ms for ``cnn``
+        against about 0.1 ms for the check (Avalanche's ``train()`` moves the
+        model at every local round)."""
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         if device is not None and dtype is None and memory_format is None and is_on(self, device):
             return self

@@ -247,8 +247,8 @@ class FederatedStrategy(SupervisedTemplate):
         the optimizer already holds every parameter of the model by its name
         of last time: then Avalanche's would change nothing but reset the
         state if asked to, and building the tree (twice per task start:
-        ``check_model_and_optimizer``) cost about 4.7 ms of every cross-device
-        client's first round. A model that grew (a dynamic module, a new
+        ``check_model_and_optimizer``) cost about 1.5 ms of every cross-device
+        ``cnn`` client's first round (0.1 ms without it). A model that grew (a dynamic module, a new
         parameter) goes through Avalanche's as before."""
         params = dict(self.model.named_parameters())
         if verbose_optimizer or not self._optimizer_holds(params, remove_params):
