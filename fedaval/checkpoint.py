@@ -206,7 +206,7 @@ def wait(run: Run) -> None:
 def restore(run: Run, path: Path) -> dict[str, Any]:
     """Load checkpoint ``path`` over a freshly built ``run``; return the results so far."""
     with open(path, "rb") as fh:
-        content = state.load(run, fh)  # formats 2 and 3 hold no references here: this is plain pickle.load
+        content = state.load(run, fh)  # formats 2 to 4 hold no references here: this is plain pickle.load
     if not isinstance(content, dict) or content.get("format") not in range(1, FORMAT + 1):
         raise FedavalUsageError(f"{path} is not a fedaval checkpoint of format 1 to {FORMAT}")
     if content["format"] > 1:

@@ -41,7 +41,7 @@ from fedaval.object_cache import ObjectCache
 from fedaval.plugin import CORE_LOSS_TERMS
 
 
-def _check_kwargs_once_per_class() -> None:
+def _check_constructors_once() -> None:
     """Make Avalanche check a strategy class's constructor once.
 
     Every strategy construction makes Avalanche check its keyword argument
@@ -81,7 +81,7 @@ def _check_kwargs_once_per_class() -> None:
     base._warn_init_has_positional_args = warn_once
 
 
-_check_kwargs_once_per_class()
+_check_constructors_once()
 
 
 def loss_term_clash(name: str, seen: set[str]) -> FedavalUsageError:
@@ -212,13 +212,10 @@ class FederatedStrategy(SupervisedTemplate):
         if model is self.model and self._eval_model_as_is:
             return model
         avalanche_model_adaptation(model, self.experience)
-        return model if self._on_device(model) else model.to(self.device)
+        return model if is_on(model, self.device) else model.to(self.device)
 
     def _needs_no_adaptation(self, model: torch.nn.Module) -> bool:
-        return not any(isinstance(m, DynamicModule) for m in model.modules()) and self._on_device(model)
-
-    def _on_device(self, model: torch.nn.Module) -> bool:
-        return is_on(model, self.device)
+        return not any(isinstance(m, DynamicModule) for m in model.modules()) and is_on(model, self.device)
 
     def eval_dataset_adaptation(self, **kwargs):
         """Avalanche's (``adapted_dataset`` is the experience's dataset in its
