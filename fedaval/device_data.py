@@ -186,6 +186,36 @@ class EvalBatches:
         return batches
 
 
+def joined_test_batches(
+    run: Run, sources: list[TensorImageDataset], batch_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(x, y)`` minibatches of ``batch_size`` (the last one shorter) of the
+    test samples of ``sources``, one source after the other, so that a
+    minibatch may hold samples of two (``fedaval.one_pass_eval``); built on
+    the device as :class:`EvalBatches` builds its minibatches, and kept in
+    the run's ``test_batches`` (:data:`TEST_BATCH_CACHE_BYTES`) by sources
+    and batch size."""
+    cache = run.test_batches
+    key = (tuple(sources), batch_size)
+    if key in cache:
+        return cache[key]
+    images, labels = device_tensors(run, "test")
+    parts = [source.batch(torch.arange(len(source), device=images.device), images, labels) for source in sources]
+    x = parts[0][0] if len(parts) == 1 else torch.cat([x for x, _ in parts])
+    y = parts[0][1] if len(parts) == 1 else torch.cat([y for _, y in parts])
+    batches = list(zip(x.split(batch_size), y.split(batch_size), strict=True))
+    for kept in [k for k in cache if isinstance(k[0], tuple) and k[1] == batch_size and prefix_of(k[0], key[0])]:
+        del cache[kept]  # the same evaluator's sources before its last task began: not evaluated again
+    if cached_bytes(cache) + x.nbytes + y.nbytes <= TEST_BATCH_CACHE_BYTES:
+        cache[key] = batches
+    return batches
+
+
+def prefix_of(short: tuple[Any, ...], long: tuple[Any, ...]) -> bool:
+    """Whether ``short`` is ``long`` without one or more last items."""
+    return len(short) < len(long) and all(a is b for a, b in zip(short, long, strict=False))
+
+
 #: Evaluation's minibatches of the test split are kept in the run
 #: (``run.test_batches``, by dataset and batch size), up to this many bytes
 #: in all, on the run's device, and never in a checkpoint. Every round

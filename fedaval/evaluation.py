@@ -292,8 +292,13 @@ class PredictionRecorder(SupervisedPlugin):
         self._predicted, self._labels = [], []
 
     def after_eval_iteration(self, strategy, **kwargs):
-        self._predicted.append(strategy.mb_output.argmax(dim=1))
-        self._labels.append(strategy.mb_y)
+        self.record(strategy.mb_output.argmax(dim=1), strategy.mb_y)
+
+    def record(self, predicted, labels) -> None:
+        """Keep ``predicted`` classes and ``labels`` of evaluated samples
+        (``fedaval.one_pass_eval`` gives those of a whole evaluation at once)."""
+        self._predicted.append(predicted)
+        self._labels.append(labels)
 
     def predictions(self):
         """``(predicted, labels)`` of the last evaluation, on the CPU."""

@@ -209,7 +209,11 @@ def fedaval_classify(
 
     Stops at the first non-None result; ``None`` everywhere means
     ``model.classifier(features)``. Nearest-prototype and prototype-distance
-    classifiers live here."""
+    classifiers live here.
+
+    A sample's scores must depend on that sample's features alone: in
+    evaluation a minibatch may hold the samples of several seen experiences
+    (:mod:`fedaval.one_pass_eval`)."""
 
 
 @hookspec(firstresult=True)

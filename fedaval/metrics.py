@@ -79,7 +79,12 @@ class AccuracyForgettingBWT(PluginMetric[None]):
         # Avalanche's Accuracy.update: predicted classes by torch.max, a float
         # count of matches, and the minibatch's accuracy weighted by its size.
         true_positives = float(torch.sum(torch.eq(torch.max(strategy.mb_output, 1)[1], strategy.mb_y)))
-        total = len(strategy.mb_y)
+        self.update_minibatch(true_positives, len(strategy.mb_y))
+
+    def update_minibatch(self, true_positives: float, total: int) -> None:
+        """Count one evaluated minibatch of ``total`` samples, ``true_positives``
+        of them predicted right (``fedaval.one_pass_eval`` gives the counts of
+        a whole evaluation at once)."""
         accuracy = true_positives / total
         self._exp_accuracy.update(accuracy, total)
         self._stream_accuracy.update(accuracy, total)
