@@ -93,11 +93,18 @@ def applies(strategy: FederatedStrategy, experiences: list[Any]) -> bool:
 
 
 def evaluator_handled(evaluator: Any) -> bool:
+    """Whether the evaluator's per-experience and per-minibatch work is its
+    metrics' (fed by :func:`evaluate`) and its loggers' ``after_eval_exp``."""
     return (
         type(evaluator) is MetricsEvaluator
         and all(type(metric) is AccuracyForgettingBWT for metric in evaluator.metrics)
         and evaluator.callbacks.intersection(PER_EXPERIENCE) <= EVALUATOR_HANDLED
+        and not any(hasattr(logger, name) for logger in evaluator.loggers for name in LOGGER_SKIPPED)
     )
+
+
+#: Callbacks a logger of the evaluator would not get in the one pass.
+LOGGER_SKIPPED = tuple(name for name in PER_EXPERIENCE if name != "after_eval_exp")
 
 
 _ACTS: dict[type, bool] = {}
@@ -127,6 +134,7 @@ def evaluate(strategy: FederatedStrategy, experiences: list[Any]) -> dict[str, A
             strategy._load_train_state(saved)
             return None
         sources.append(source)
+    strategy.experience, strategy.adapted_dataset = saved["experience"], saved["adapted_dataset"]
     if not strategy._distributed_check:
         strategy._check_distributed_training_compatibility()
         strategy._distributed_check = True

@@ -225,8 +225,8 @@ class FederatedStrategy(SupervisedTemplate):
         modules' train/eval modes of before ``eval()`` restored by one
         ``model.train(mode)`` when they were all the same and the model has
         the same modules: Avalanche calls ``train(mode)`` on every module in
-        turn, and each call walks that module's whole subtree, about 0.2 ms
-        of every evaluation of the digits MLP (more for deeper models).
+        turn, and each call walks that module's whole subtree (about 0.05 ms
+        of a 0.35 ms evaluation of the digits MLP; more for deeper models).
         Mixed modes, or a model that gained modules, go through Avalanche's."""
         modes = prev_state["model_training_mode"]
         mode = next(iter(modes.values()), None)

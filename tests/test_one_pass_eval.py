@@ -159,3 +159,28 @@ def test_joined_minibatches_are_kept_for_the_latest_sources(tiny_config):
     run.server.begin_task(1)
     run.server.evaluate()
     assert [len(sources) for sources, _ in joined_keys()] == [2]
+
+
+def test_a_logger_with_a_per_minibatch_callback_gets_the_template(tiny_config):
+    """A logger that acts per evaluated minibatch (Avalanche's interactive
+    progress bar does) keeps getting the callback: the template evaluates."""
+    run = build_run(tiny_config())
+    run.server.begin_task(0)
+    strategy = run.server.strategy
+    assert one_pass_eval.applies(strategy, [run.server.test_stream[0]])
+
+    class ProgressLogger:
+        def __init__(self):
+            self.iterations = 0
+
+        def log_metrics(self, values):
+            pass
+
+        def after_eval_iteration(self, strategy, metric_values, **kwargs):
+            self.iterations += 1
+
+    logger = ProgressLogger()
+    strategy.evaluator.loggers.append(logger)
+    assert not one_pass_eval.applies(strategy, [run.server.test_stream[0]])
+    run.server.evaluate()
+    assert logger.iterations > 0
