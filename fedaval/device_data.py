@@ -27,7 +27,7 @@ the device (``fedaval.training.standard_augment``), on either path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,11 +111,25 @@ def device_batches(run: Run, loader: Any, dataset: Any) -> DeviceBatches | None:
 def eval_batches(run: Run, dataset: Any, batch_size: int) -> EvalBatches | None:
     """An evaluation loader over ``dataset`` on the device data path, made
     without Avalanche's or torch's loader, or ``None`` when it does not apply."""
+    found = device_source(run, dataset)
+    return None if found is None else EvalBatches(run, *found, batch_size)
+
+
+def device_source(run: Run, dataset: Any) -> tuple[TensorImageDataset, str] | None:
+    """``dataset``'s :class:`TensorImageDataset` and the run's split it reads
+    (``"train"``/``"test"``) when the device data path applies to it, else ``None``."""
     source = tensor_source(dataset)
     if source is None or not use_device_path(run):
         return None
     split = run_split(run, source)
-    return None if split is None else EvalBatches(run, source, split, batch_size)
+    return None if split is None else (source, split)
+
+
+def draw_loader_seed() -> None:
+    """Draw the one random number a torch ``DataLoader`` iterator draws (its
+    base seed, from the global generator): what evaluation without the
+    loader draws in its place, so every random stream stays where it was."""
+    torch.empty((), dtype=torch.int64).random_()
 
 
 def run_split(run: Run, source: TensorImageDataset) -> str | None:
@@ -164,7 +178,7 @@ class EvalBatches:
         return -(-len(self.source) // self.batch_size)
 
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
-        torch.empty((), dtype=torch.int64).random_()  # the DataLoader iterator's base seed
+        draw_loader_seed()
         for batch in self._batches():
             yield list(batch)  # a list of its own: Avalanche's unpacking assigns into it
 
@@ -181,8 +195,8 @@ class EvalBatches:
         for start in range(0, total, self.batch_size):
             positions = torch.arange(start, min(start + self.batch_size, total), device=images.device)
             batches.append(minibatch(self.source, positions, images, labels))
-        if cache is not None and cached_bytes(cache) + batch_bytes(batches) <= TEST_BATCH_CACHE_BYTES:
-            cache[key] = batches
+        if cache is not None:
+            keep_if_room(cache, key, batches)
         return batches
 
 
@@ -206,8 +220,7 @@ def joined_test_batches(
     batches = list(zip(x.split(batch_size), y.split(batch_size), strict=True))
     for kept in [k for k in cache if isinstance(k[0], tuple) and k[1] == batch_size and prefix_of(k[0], key[0])]:
         del cache[kept]  # the same evaluator's sources before its last task began: not evaluated again
-    if cached_bytes(cache) + x.nbytes + y.nbytes <= TEST_BATCH_CACHE_BYTES:
-        cache[key] = batches
+    keep_if_room(cache, key, batches)
     return batches
 
 
@@ -227,8 +240,15 @@ def prefix_of(short: tuple[Any, ...], long: tuple[Any, ...]) -> bool:
 TEST_BATCH_CACHE_BYTES = 512 * 2**20
 
 
-def batch_bytes(batches: list[list[torch.Tensor]]) -> int:
+def batch_bytes(batches: Sequence[Sequence[torch.Tensor]]) -> int:
     return sum(t.nbytes for batch in batches for t in batch)
+
+
+def keep_if_room(cache: dict[Any, Any], key: Any, batches: list[Any]) -> None:
+    """Keep ``batches`` in ``cache`` under ``key`` if the cache stays within
+    :data:`TEST_BATCH_CACHE_BYTES`."""
+    if cached_bytes(cache) + batch_bytes(batches) <= TEST_BATCH_CACHE_BYTES:
+        cache[key] = batches
 
 
 def cached_bytes(cache: dict[Any, list[list[torch.Tensor]]]) -> int:

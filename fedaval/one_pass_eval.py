@@ -53,7 +53,7 @@ from avalanche.models.dynamic_modules import DynamicModule
 from avalanche.training.plugins.clock import Clock
 
 from fedaval.datasets import TensorImageDataset
-from fedaval.device_data import joined_test_batches, run_split, tensor_source, use_device_path
+from fedaval.device_data import device_source, draw_loader_seed, joined_test_batches
 from fedaval.evaluation import MetricsEvaluator, PredictionRecorder
 from fedaval.metrics import AccuracyForgettingBWT
 
@@ -147,8 +147,8 @@ def evaluate(strategy: FederatedStrategy, experiences: list[Any]) -> dict[str, A
             return template_eval(strategy, experiences, saved)  # adapted to each experience
         strategy.experience = experiences[0]  # only off the device: moved there, once
         strategy.model = strategy.model_adaptation()
-    for _ in experiences:  # the one random number each experience's loader iterator draws
-        torch.empty((), dtype=torch.int64).random_()
+    for _ in experiences:  # what each experience's loader iterator draws
+        draw_loader_seed()
     predicted, labels = predictions(strategy, joined_test_batches(strategy.run, sources, strategy.eval_mb_size))
     size = strategy.eval_mb_size
     sizes = [[min(size, len(source) - start) for start in range(0, len(source), size)] for source in sources]
@@ -189,10 +189,8 @@ def experience_source(strategy: FederatedStrategy, experience: Any) -> TensorIma
     data path: what Avalanche's template would evaluate the experience on."""
     strategy.experience = experience
     strategy.eval_dataset_adaptation()
-    source = tensor_source(strategy.adapted_dataset)
-    if source is None or not use_device_path(strategy.run) or run_split(strategy.run, source) != "test":
-        return None
-    return source
+    found = device_source(strategy.run, strategy.adapted_dataset)
+    return None if found is None or found[1] != "test" else found[0]
 
 
 def predictions(
