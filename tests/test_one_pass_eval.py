@@ -184,3 +184,24 @@ def test_a_logger_with_a_per_minibatch_callback_gets_the_template(tiny_config):
     assert not one_pass_eval.applies(strategy, [run.server.test_stream[0]])
     run.server.evaluate()
     assert logger.iterations > 0
+
+
+def test_eval_restores_each_modules_mode(tiny_config):
+    """After ``eval()`` every module is back in its mode of before: all in
+    training mode (restored by one ``model.train``), or mixed (a frozen part
+    in eval mode), restored module by module."""
+    run = build_run(tiny_config())
+    run.server.begin_task(0)
+    model = run.server.model
+    model.train()
+    run.server.evaluate()
+    assert all(m.training for m in model.modules())
+    frozen = next(m for m in model.features.modules() if m is not model.features)
+    frozen.eval()
+    run.server.evaluate()
+    assert {name: m.training for name, m in model.named_modules()} == {
+        name: m is not frozen for name, m in model.named_modules()
+    }
+    model.eval()
+    run.server.evaluate()
+    assert not any(m.training for m in model.modules())
