@@ -419,7 +419,9 @@ class ResultsSchedule:
         return time.perf_counter() - self.last >= max(self.SECONDS, self.COST_FACTOR * self.cost)
 
     def write(self, run: Run, results: dict[str, Any]) -> None:
-        checkpoint.wait(run)  # results.json never gets ahead of a checkpoint that failed
+        # a checkpoint that failed stops the run here; one still being written is not waited
+        # for (results.json is often ahead of the newest checkpoint: a resume rewrites it)
+        checkpoint.raise_if_failed(run)
         start = time.perf_counter()
         assert run.out_dir is not None, "only a run with a folder writes results.json"
         atomic_write_json(run.out_dir / "results.json", results)

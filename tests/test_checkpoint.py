@@ -157,13 +157,13 @@ def test_auto_checkpoints_are_spaced_by_their_cost(monkeypatch):
     monkeypatch.setattr(checkpoint.time, "perf_counter", lambda: clock[0])
 
     def pickles_for(seconds):
-        def save_in_background(run, results):
+        def save_in_background(run, results, fork=False):
             clock[0] += seconds
             return None
 
         return save_in_background
 
-    run = SimpleNamespace(config=SimpleNamespace(checkpoint_every="auto"), total_rounds=100)
+    run = SimpleNamespace(config=SimpleNamespace(checkpoint_every="auto", backend="ray"), total_rounds=100)
     schedule = checkpoint.Schedule(run)
     due = []
     for round in range(1, 40):
@@ -242,6 +242,204 @@ def test_a_checkpoint_holds_the_tensors_as_they_were_when_it_was_taken(tiny_conf
     fresh = build_run(config, out_dir=tmp_path / "run")
     checkpoint.restore(fresh, path)
     assert torch.equal(next(fresh.clients[0].model.parameters()), before)
+
+
+# --- checkpoints written by a forked child ------------------------------------
+def test_a_forked_checkpoint_is_the_in_process_one_written_by_another_process(tiny_config, tmp_path, monkeypatch):
+    """Byte for byte the file the process writes, the run's random generators
+    included (Python's ``random`` reseeds itself in a forked child), written
+    by the child; the process only forks."""
+    from fedaval import checkpoint
+    from fedaval.build import build_run
+
+    run = build_run(tiny_config(out=str(tmp_path / "run")), out_dir=tmp_path / "run")
+    run.round = 1
+    path = checkpoint.save_in_background(run, {"rounds": [1]})
+    checkpoint.wait(run)
+    in_process = path.read_bytes()
+    path.unlink()
+
+    writers = tmp_path / "writers"
+    write = checkpoint._write_snapshot
+
+    def noting_the_writer(*args):
+        with open(writers, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+        write(*args)
+
+    monkeypatch.setattr(checkpoint, "_write_snapshot", noting_the_writer)
+    monkeypatch.setattr(checkpoint.state, "dump", _not_in(os.getpid(), checkpoint.state.dump))
+    assert checkpoint.save_in_background(run, {"rounds": [1]}, fork=True) == path
+    checkpoint.wait(run)
+    assert path.read_bytes() == in_process
+    assert [int(pid) for pid in writers.read_text().split()] != [os.getpid()]
+
+
+def _not_in(pid, function):
+    def wrapper(*args, **kwargs):
+        assert os.getpid() != pid, "the run's objects were pickled in the process"
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def test_a_forked_checkpoint_holds_the_run_as_it_was_at_the_fork(tiny_config, tmp_path, monkeypatch):
+    """The next round changes tensors in place and draws random numbers while
+    the child still writes: the checkpoint has them as they were."""
+    import random
+
+    import torch
+
+    from fedaval import checkpoint
+    from fedaval.build import build_run
+
+    config = tiny_config(out=str(tmp_path / "run"))
+    run = build_run(config, out_dir=tmp_path / "run")
+    run.round = 1
+    weight = next(run.clients[0].model.parameters())
+    before, drawn = weight.detach().clone(), random.getstate()
+    write = checkpoint._write_snapshot
+
+    def slowly(*args):
+        time.sleep(1.0)
+        write(*args)
+
+    monkeypatch.setattr(checkpoint, "_write_snapshot", slowly)
+    path = checkpoint.save_in_background(run, {"rounds": [1]}, fork=True)
+    with torch.no_grad():
+        weight.add_(1.0)  # the next round trains
+    random.random()
+    assert not path.exists(), "the child is still writing"
+    checkpoint.wait(run)
+    fresh = build_run(config, out_dir=tmp_path / "run")
+    checkpoint.restore(fresh, path)
+    assert torch.equal(next(fresh.clients[0].model.parameters()), before)
+    assert random.getstate() == drawn
+
+
+def test_a_forked_checkpoints_error_is_raised_in_the_process(tiny_config, tmp_path, monkeypatch):
+    import errno
+
+    from fedaval import checkpoint
+    from fedaval.build import build_run
+    from fedaval.errors import RunFailure
+
+    run = build_run(tiny_config(out=str(tmp_path / "run")), out_dir=tmp_path / "run")
+    run.round = 1
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_snapshot", full)
+    checkpoint.save_in_background(run, {}, fork=True)
+    with pytest.raises(OSError) as raised:
+        checkpoint.wait(run)
+    assert raised.value.errno == errno.ENOSPC
+    checkpoint.wait(run)  # reported once
+
+    monkeypatch.setattr(checkpoint, "_write_snapshot", lambda *args: os.kill(os.getpid(), signal.SIGKILL))
+    path = checkpoint.save_in_background(run, {}, fork=True)
+    with pytest.raises(RunFailure, match=f"the process writing checkpoint {path} was killed by signal 9"):
+        checkpoint.wait(run)
+    assert not path.exists()
+
+
+def test_checkpoints_are_forked_after_a_slow_one_where_the_run_can_fork(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from fedaval import checkpoint
+
+    clock, forked, costs = [0.0], [], []
+    monkeypatch.setattr(checkpoint.time, "perf_counter", lambda: clock[0])
+
+    def save_in_background(run, results, fork=False):
+        forked.append(fork)
+        clock[0] += 0.01 if fork else costs[len(forked) - 1]
+
+    monkeypatch.setattr(checkpoint, "save_in_background", save_in_background)
+    for backend, device, cuda, expected in [
+        ("local", "cpu", False, [False, False, True, True]),
+        ("ray", "cpu", False, [False] * 4),
+        ("local", "meta", False, [False] * 4),  # not the CPU: CUDA cannot be used in a forked child
+        ("local", "cpu", True, [False] * 4),  # nor once the process has initialised it
+    ]:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda cuda=cuda: cuda)
+        run = SimpleNamespace(config=SimpleNamespace(checkpoint_every=1, backend=backend), device=torch.device(device))
+        schedule, forked[:] = checkpoint.Schedule(run), []
+        costs[:] = [0.05, 0.3, 0.05, 0.3]  # in the process, the second is slow (FORK_ABOVE_SECONDS = 0.2)
+        for _ in costs:
+            schedule.save(run, {})
+        assert forked == expected, (backend, device, cuda)
+    assert checkpoint.FORK_ABOVE_SECONDS == 0.2
+
+
+@pytest.mark.parametrize("settings", [dict(plugins=["fedavg"]), dict(plugins=["fedprok"])], ids=["fedavg", "fedprok"])
+def test_a_run_checkpointed_by_forks_resumes_to_the_whole_run(tiny_config, tmp_path, monkeypatch, settings):
+    from fedaval import checkpoint
+    from fedaval.api import run_training
+    from fedaval.build import build_run
+    from fedaval.coordinator import train
+
+    forks = []
+    monkeypatch.setattr(checkpoint, "FORK_ABOVE_SECONDS", 0.0)  # every checkpoint after the first
+    monkeypatch.setattr(checkpoint, "_ForkedWriter", _counting(checkpoint._ForkedWriter, forks))
+    config = tiny_config(out=str(tmp_path / "whole"), rounds_per_task=3, keep_checkpoints=100, **settings)
+    whole = strip_timing(run_training(config))
+    assert len(forks) == 5
+    assert [r for r, _ in checkpoint.saved(tmp_path / "whole")] == list(range(6, 0, -1))
+    for round in (2, 4):
+        run = build_run(config, out_dir=tmp_path / f"resumed{round}")
+        results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", round))
+        assert strip_timing(train(run, results=results)) == whole
+
+
+def _counting(cls, calls):
+    def make(*args, **kwargs):
+        calls.append(1)
+        return cls(*args, **kwargs)
+
+    return make
+
+
+def test_results_json_is_not_held_back_by_a_checkpoint_being_written(tiny_config, tmp_path, monkeypatch):
+    """results.json is rewritten while a checkpoint is still being written (in
+    a thread or a forked child); the error of one that has failed stops it."""
+    import errno
+    import threading
+
+    from fedaval import checkpoint
+    from fedaval.build import build_run
+    from fedaval.coordinator import ResultsSchedule
+
+    run = build_run(tiny_config(out=str(tmp_path / "run")), out_dir=tmp_path / "run")
+    run.round = 1
+    go, write = threading.Event(), checkpoint._write_snapshot
+
+    def when_told(*args):
+        go.wait(10)
+        write(*args)
+
+    monkeypatch.setattr(checkpoint, "_write_snapshot", when_told)
+    path = checkpoint.save_in_background(run, {"rounds": [1]})
+    ResultsSchedule().write(run, {"rounds": [1]})
+    assert (tmp_path / "run" / "results.json").exists() and not path.exists()
+    go.set()
+    checkpoint.wait(run)
+    assert path.exists()
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for fork in (False, True):
+        monkeypatch.setattr(checkpoint, "_write_snapshot", full)
+        checkpoint.save_in_background(run, {}, fork=fork)
+        while not run.checkpoint_writer.done():
+            time.sleep(0.01)
+        with pytest.raises(OSError, match="No space left"):
+            ResultsSchedule().write(run, {"rounds": [1, 2]})
+    assert json.loads((tmp_path / "run" / "results.json").read_text()) == {"rounds": [1]}
 
 
 def test_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tiny_config, tmp_path, caplog):
