@@ -160,15 +160,20 @@ class Schedule:
 def can_fork(run: Run) -> bool:
     """Whether ``run``'s checkpoints may be written by a forked child: on
     Linux, with the clients in this process (``--backend local``), on the CPU,
-    and with CUDA not initialised in the process (a forked child cannot use
-    it). Elsewhere every checkpoint is pickled in the process."""
+    with CUDA not initialised in the process (a forked child cannot use it),
+    and with no client offloaded to disk (the child would read an offloaded
+    client's file while the next round rewrites it). Elsewhere every
+    checkpoint is pickled in the process."""
     import torch
+
+    from fedaval import offload
 
     return (
         sys.platform.startswith("linux")
         and run.config.backend == "local"
         and run.device.type == "cpu"
         and not torch.cuda.is_initialized()
+        and offload.policy(run) != "disk"
     )
 
 
@@ -268,7 +273,11 @@ class _ForkedWriter:
                 # Python 3.12 warns of fork in a process with threads (TensorBoard's writer,
                 # torch's): the child only pickles and writes, taking none of their locks
                 warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
-                self.pid: int | None = os.fork()
+                try:
+                    self.pid: int | None = os.fork()
+                except OSError:  # no memory or process left for it: the caller writes in the process
+                    os.close(self._read_end)
+                    raise
             if self.pid == 0:  # the child: never returns (CPython clears a signal pending at the fork)
                 _child_writes(write_end, lambda: _write_snapshot(*snapshot(run, results, objects, copy=False), keep))
         finally:
@@ -330,9 +339,15 @@ def save_in_background(run: Run, results: dict[str, Any], fork: bool = False) ->
     forked child (:class:`_ForkedWriter`; only where :func:`can_fork`)."""
     wait(run)
     if fork:
-        writer: Any = _ForkedWriter(run, results)
-        run.checkpoint_writer = writer
-        return writer.path
+        try:
+            writer: Any = _ForkedWriter(run, results)
+        except OSError as exc:
+            import logging
+
+            logging.getLogger("fedaval").warning("cannot fork to write a checkpoint (%s); writing it here", exc)
+        else:
+            run.checkpoint_writer = writer
+            return writer.path
     path, content = snapshot(run, results)
     writer = _Writer(path, content, run.config.keep_checkpoints)
     run.checkpoint_writer = writer

@@ -344,6 +344,26 @@ def test_a_forked_checkpoints_error_is_raised_in_the_process(tiny_config, tmp_pa
     assert not path.exists()
 
 
+def test_a_checkpoint_that_cannot_fork_is_written_in_the_process(tiny_config, tmp_path, monkeypatch, caplog):
+    import errno
+
+    from fedaval import checkpoint
+    from fedaval.build import build_run
+
+    run = build_run(tiny_config(out=str(tmp_path / "run")), out_dir=tmp_path / "run")
+    run.round = 1
+
+    def no_memory():
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(checkpoint.os, "fork", no_memory)
+    open_before = len(os.listdir("/proc/self/fd"))
+    path = checkpoint.save_in_background(run, {"rounds": [1]}, fork=True)
+    checkpoint.wait(run)
+    assert path.exists() and "cannot fork to write a checkpoint (" in caplog.text
+    assert len(os.listdir("/proc/self/fd")) == open_before, "the pipe is closed"
+
+
 def test_checkpoints_are_forked_after_a_slow_one_where_the_run_can_fork(monkeypatch):
     from types import SimpleNamespace
 
@@ -359,23 +379,37 @@ def test_checkpoints_are_forked_after_a_slow_one_where_the_run_can_fork(monkeypa
         clock[0] += 0.01 if fork else costs[len(forked) - 1]
 
     monkeypatch.setattr(checkpoint, "save_in_background", save_in_background)
-    for backend, device, cuda, expected in [
-        ("local", "cpu", False, [False, False, True, True]),
-        ("ray", "cpu", False, [False] * 4),
-        ("local", "meta", False, [False] * 4),  # not the CPU: CUDA cannot be used in a forked child
-        ("local", "cpu", True, [False] * 4),  # nor once the process has initialised it
+    for backend, device, cuda, offload, expected in [
+        ("local", "cpu", False, "none", [False, False, True, True]),
+        ("local", "cpu", False, "cpu", [False, False, True, True]),
+        ("ray", "cpu", False, "none", [False] * 4),
+        ("local", "meta", False, "none", [False] * 4),  # not the CPU: CUDA cannot be used in a forked child
+        ("local", "cpu", True, "none", [False] * 4),  # nor once the process has initialised it
+        ("local", "cpu", False, "disk", [False] * 4),  # the next round rewrites offloaded clients' files
     ]:
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda cuda=cuda: cuda)
-        run = SimpleNamespace(config=SimpleNamespace(checkpoint_every=1, backend=backend), device=torch.device(device))
+        config = SimpleNamespace(checkpoint_every=1, backend=backend, offload_clients=offload)
+        run = SimpleNamespace(config=config, device=torch.device(device))
         schedule, forked[:] = checkpoint.Schedule(run), []
         costs[:] = [0.05, 0.3, 0.05, 0.3]  # in the process, the second is slow (FORK_ABOVE_SECONDS = 0.2)
         for _ in costs:
             schedule.save(run, {})
-        assert forked == expected, (backend, device, cuda)
+        assert forked == expected, (backend, device, cuda, offload)
     assert checkpoint.FORK_ABOVE_SECONDS == 0.2
 
 
-@pytest.mark.parametrize("settings", [dict(plugins=["fedavg"]), dict(plugins=["fedprok"])], ids=["fedavg", "fedprok"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(plugins=["fedavg"]),
+        dict(plugins=["fedprok"]),
+        # idle clients offloaded to memory, their pickles and storages in the fork's snapshot
+        dict(
+            plugins=["fedavg"], clients_per_round=1, offload_clients="cpu", scenario_options={"clients": 3, "tasks": 2}
+        ),
+    ],
+    ids=["fedavg", "fedprok", "offloaded"],
+)
 def test_a_run_checkpointed_by_forks_resumes_to_the_whole_run(tiny_config, tmp_path, monkeypatch, settings):
     from fedaval import checkpoint
     from fedaval.api import run_training
