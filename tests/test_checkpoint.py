@@ -245,6 +245,7 @@ def test_a_checkpoint_holds_the_tensors_as_they_were_when_it_was_taken(tiny_conf
 
 
 # --- checkpoints written by a forked child ------------------------------------
+# (on the CPU whatever FEDAVAL_TEST_DEVICE says: a forked child cannot use CUDA, fedaval.checkpoint.can_fork)
 def test_a_forked_checkpoint_is_the_in_process_one_written_by_another_process(tiny_config, tmp_path, monkeypatch):
     """Byte for byte the file the process writes, the run's random generators
     included (Python's ``random`` reseeds itself in a forked child), written
@@ -252,7 +253,7 @@ def test_a_forked_checkpoint_is_the_in_process_one_written_by_another_process(ti
     from fedaval import checkpoint
     from fedaval.build import build_run
 
-    run = build_run(tiny_config(out=str(tmp_path / "run")), out_dir=tmp_path / "run")
+    run = build_run(tiny_config(out=str(tmp_path / "run"), device="cpu"), out_dir=tmp_path / "run")
     run.round = 1
     path = checkpoint.save_in_background(run, {"rounds": [1]})
     checkpoint.wait(run)
@@ -293,7 +294,7 @@ def test_a_forked_checkpoint_holds_the_run_as_it_was_at_the_fork(tiny_config, tm
     from fedaval import checkpoint
     from fedaval.build import build_run
 
-    config = tiny_config(out=str(tmp_path / "run"))
+    config = tiny_config(out=str(tmp_path / "run"), device="cpu")
     run = build_run(config, out_dir=tmp_path / "run")
     run.round = 1
     weight = next(run.clients[0].model.parameters())
@@ -324,7 +325,7 @@ def test_a_forked_checkpoints_error_is_raised_in_the_process(tiny_config, tmp_pa
     from fedaval.build import build_run
     from fedaval.errors import RunFailure
 
-    run = build_run(tiny_config(out=str(tmp_path / "run")), out_dir=tmp_path / "run")
+    run = build_run(tiny_config(out=str(tmp_path / "run"), device="cpu"), out_dir=tmp_path / "run")
     run.round = 1
 
     def full(*args):
@@ -350,7 +351,7 @@ def test_a_checkpoint_that_cannot_fork_is_written_in_the_process(tiny_config, tm
     from fedaval import checkpoint
     from fedaval.build import build_run
 
-    run = build_run(tiny_config(out=str(tmp_path / "run")), out_dir=tmp_path / "run")
+    run = build_run(tiny_config(out=str(tmp_path / "run"), device="cpu"), out_dir=tmp_path / "run")
     run.round = 1
 
     def no_memory():
@@ -419,7 +420,7 @@ def test_a_run_checkpointed_by_forks_resumes_to_the_whole_run(tiny_config, tmp_p
     forks = []
     monkeypatch.setattr(checkpoint, "FORK_ABOVE_SECONDS", 0.0)  # every checkpoint after the first
     monkeypatch.setattr(checkpoint, "_ForkedWriter", _counting(checkpoint._ForkedWriter, forks))
-    config = tiny_config(out=str(tmp_path / "whole"), rounds_per_task=3, keep_checkpoints=100, **settings)
+    config = tiny_config(out=str(tmp_path / "whole"), rounds_per_task=3, keep_checkpoints=100, device="cpu", **settings)
     whole = strip_timing(run_training(config))
     assert len(forks) == 5
     assert [r for r, _ in checkpoint.saved(tmp_path / "whole")] == list(range(6, 0, -1))
@@ -447,7 +448,7 @@ def test_results_json_is_not_held_back_by_a_checkpoint_being_written(tiny_config
     from fedaval.build import build_run
     from fedaval.coordinator import ResultsSchedule
 
-    run = build_run(tiny_config(out=str(tmp_path / "run")), out_dir=tmp_path / "run")
+    run = build_run(tiny_config(out=str(tmp_path / "run"), device="cpu"), out_dir=tmp_path / "run")
     run.round = 1
     go, write = threading.Event(), checkpoint._write_snapshot
 
