@@ -279,7 +279,12 @@ class _ForkedWriter:
                     os.close(self._read_end)
                     raise
             if self.pid == 0:  # the child: never returns (CPython clears a signal pending at the fork)
-                _child_writes(write_end, lambda: _write_snapshot(*snapshot(run, results, objects, copy=False), keep))
+                try:
+                    _child_writes(
+                        write_end, lambda: _write_snapshot(*snapshot(run, results, objects, copy=False), keep)
+                    )
+                finally:
+                    os._exit(1)  # never into the run's own code
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # the process's Ctrl-C, if one came, lands now
             os.close(write_end)

@@ -151,6 +151,42 @@ class InterruptSetUp:
         raise KeyboardInterrupt
 
 
+class TerminateBoth:
+    """In round 3, sends SIGTERM to the child writing round 2's checkpoint and to this process."""
+
+    name = "terminate-both"
+
+    @hookimpl
+    def fedaval_client_epoch_start(self, run, client, epoch):
+        writer = run.checkpoint_writer
+        if run.round == 3 and writer is not None and getattr(writer, "pid", None):
+            os.kill(writer.pid, signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_waits_for_the_checkpoint_a_forked_child_is_writing(tmp_path, monkeypatch):
+    """A SIGTERM (or Ctrl-C) that reaches the child too does not stop it: the
+    run stops with the checkpoint it was writing, and resumes from it."""
+    import time
+
+    from fedaval import checkpoint
+
+    monkeypatch.setattr(checkpoint, "FORK_ABOVE_SECONDS", 0.0)  # rounds 2 to 4: forked
+    write = checkpoint._write_snapshot
+
+    def slowly(*args):  # still writing when round 3 begins
+        time.sleep(1.0)
+        write(*args)
+
+    monkeypatch.setattr(checkpoint, "_write_snapshot", slowly)
+    out = tmp_path / "run"
+    line = one_line_error(["train", "--out", str(out), "--plugins", "test_robustness:TerminateBoth", *TINY], code=130)
+    assert "interrupted in round 3 of 4" in line and "(newest checkpoint: round 2)" in line
+    monkeypatch.undo()
+    result = CliRunner().invoke(cli, ["train", "--resume", str(out), "--quiet"])
+    assert result.exit_code == 0 and "resuming at round 3" in result.output, result.output
+
+
 def test_ctrl_c_before_the_first_round_is_one_line(tmp_path):
     line = one_line_error(
         ["train", "--out", str(tmp_path / "r"), "--plugins", "test_robustness:InterruptSetUp", *TINY], code=130
