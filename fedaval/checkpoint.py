@@ -292,7 +292,10 @@ class _ForkedWriter:
     def done(self) -> bool:
         """Whether the child has ended (without waiting for it)."""
         if self.pid is not None and self._status is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # SIGCHLD ignored: reaped by the kernel; join() reads the pipe
+                return True
             if pid != 0:
                 self._status = status
         return self.pid is None or self._status is not None
@@ -303,7 +306,10 @@ class _ForkedWriter:
         with os.fdopen(self._read_end, "rb", closefd=False) as pipe:
             report = pipe.read()  # until the child exits
         if self._status is None:
-            self._status = os.waitpid(self.pid, 0)[1]
+            try:
+                self._status = os.waitpid(self.pid, 0)[1]
+            except ChildProcessError:  # SIGCHLD ignored, so no exit status: the file tells
+                self._status = 0 if self.path.exists() else 256
         os.close(self._read_end)
         self.pid = None
         code = os.waitstatus_to_exitcode(self._status)

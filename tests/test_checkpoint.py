@@ -345,6 +345,24 @@ def test_a_forked_checkpoints_error_is_raised_in_the_process(tiny_config, tmp_pa
     assert not path.exists()
 
 
+def test_a_forked_checkpoint_where_sigchld_is_ignored(tiny_config, tmp_path):
+    """A process that ignores SIGCHLD gets no exit status of its children:
+    the forked checkpoint is still waited for, and its file says it was written."""
+    from fedaval import checkpoint
+    from fedaval.build import build_run
+
+    run = build_run(tiny_config(out=str(tmp_path / "run"), device="cpu"), out_dir=tmp_path / "run")
+    run.round = 1
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        path = checkpoint.save_in_background(run, {"rounds": [1]}, fork=True)
+        checkpoint.raise_if_failed(run)
+        checkpoint.wait(run)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert path.exists()
+
+
 def test_a_checkpoint_that_cannot_fork_is_written_in_the_process(tiny_config, tmp_path, monkeypatch, caplog):
     import errno
 
