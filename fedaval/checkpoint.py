@@ -158,7 +158,8 @@ class Schedule:
 
 
 def can_fork(run: Run) -> bool:
-    """Whether ``run``'s checkpoints may be written by a forked child: on
+    """Whether ``run``'s checkpoints may be written by a forked child: not
+    with ``--checkpoint-writer thread``; on
     Linux, with the clients in this process (``--backend local``), on the CPU,
     with CUDA not initialised in the process (a forked child cannot use it),
     and with no client offloaded to disk (the child would read an offloaded
@@ -169,7 +170,8 @@ def can_fork(run: Run) -> bool:
     from fedaval import offload
 
     return (
-        sys.platform.startswith("linux")
+        run.config.checkpoint_writer == "auto"
+        and sys.platform.startswith("linux")
         and run.config.backend == "local"
         and run.device.type == "cpu"
         and not torch.cuda.is_initialized()

@@ -13,6 +13,7 @@ FAILURE_POLICIES = ("drop", "fail")
 DATA_PATHS = ("auto", "device", "loader")
 OFFLOAD_POLICIES = ("auto", "none", "cpu", "disk")
 HOST_MEMORY = ("keep", "release")  # fedaval/host_memory.py
+CHECKPOINT_WRITERS = ("auto", "thread")  # fedaval/checkpoint.py: Schedule, can_fork
 BACKENDS = ("local", "ray")
 OPTIMIZER_STATES = ("reset", "keep")
 LR_SCHEDULES = ("constant", "cosine", "exp")
@@ -66,6 +67,7 @@ class RunConfig:
     out: str | None = None
     checkpoint_every: int | str = "auto"
     keep_checkpoints: int = 2
+    checkpoint_writer: str = "auto"
     on_client_failure: str = "drop"
     data_path: str = "auto"
     offload_clients: str = "auto"
@@ -111,6 +113,12 @@ class RunConfig:
                 "auto or an integer >= 0 (0: never)",
             ),
             ("--keep-checkpoints", self.keep_checkpoints, self.keep_checkpoints >= 1, ">= 1"),
+            (
+                "--checkpoint-writer",
+                self.checkpoint_writer,
+                self.checkpoint_writer in CHECKPOINT_WRITERS,
+                "one of " + ", ".join(CHECKPOINT_WRITERS),
+            ),
             (
                 "--on-client-failure",
                 self.on_client_failure,

@@ -163,7 +163,7 @@ def test_auto_checkpoints_are_spaced_by_their_cost(monkeypatch):
 
         return save_in_background
 
-    run = SimpleNamespace(config=SimpleNamespace(checkpoint_every="auto", backend="ray"), total_rounds=100)
+    run = SimpleNamespace(config=SimpleNamespace(checkpoint_every="auto", checkpoint_writer="thread"), total_rounds=100)
     schedule = checkpoint.Schedule(run)
     due = []
     for round in range(1, 40):
@@ -398,22 +398,23 @@ def test_checkpoints_are_forked_after_a_slow_one_where_the_run_can_fork(monkeypa
         clock[0] += 0.01 if fork else costs[len(forked) - 1]
 
     monkeypatch.setattr(checkpoint, "save_in_background", save_in_background)
-    for backend, device, cuda, offload, expected in [
-        ("local", "cpu", False, "none", [False, False, True, True]),
-        ("local", "cpu", False, "cpu", [False, False, True, True]),
-        ("ray", "cpu", False, "none", [False] * 4),
-        ("local", "meta", False, "none", [False] * 4),  # not the CPU: CUDA cannot be used in a forked child
-        ("local", "cpu", True, "none", [False] * 4),  # nor once the process has initialised it
-        ("local", "cpu", False, "disk", [False] * 4),  # the next round rewrites offloaded clients' files
+    for writer, backend, device, cuda, offload, expected in [
+        ("auto", "local", "cpu", False, "none", [False, False, True, True]),
+        ("auto", "local", "cpu", False, "cpu", [False, False, True, True]),
+        ("thread", "local", "cpu", False, "none", [False] * 4),  # --checkpoint-writer thread: never
+        ("auto", "ray", "cpu", False, "none", [False] * 4),
+        ("auto", "local", "meta", False, "none", [False] * 4),  # not the CPU: CUDA cannot be used in a fork
+        ("auto", "local", "cpu", True, "none", [False] * 4),  # nor once the process has initialised it
+        ("auto", "local", "cpu", False, "disk", [False] * 4),  # the next round rewrites offloaded clients' files
     ]:
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda cuda=cuda: cuda)
-        config = SimpleNamespace(checkpoint_every=1, backend=backend, offload_clients=offload)
+        config = SimpleNamespace(checkpoint_every=1, checkpoint_writer=writer, backend=backend, offload_clients=offload)
         run = SimpleNamespace(config=config, device=torch.device(device))
         schedule, forked[:] = checkpoint.Schedule(run), []
         costs[:] = [0.05, 0.3, 0.05, 0.3]  # in the process, the second is slow (FORK_ABOVE_SECONDS = 0.2)
         for _ in costs:
             schedule.save(run, {})
-        assert forked == expected, (backend, device, cuda, offload)
+        assert forked == expected, (writer, backend, device, cuda, offload)
     assert checkpoint.FORK_ABOVE_SECONDS == 0.2
 
 
@@ -442,6 +443,10 @@ def test_a_run_checkpointed_by_forks_resumes_to_the_whole_run(tiny_config, tmp_p
     whole = strip_timing(run_training(config))
     assert len(forks) == 5
     assert [r for r, _ in checkpoint.saved(tmp_path / "whole")] == list(range(6, 0, -1))
+    threads = tiny_config(out=str(tmp_path / "threads"), rounds_per_task=3, device="cpu", **settings)
+    threads.checkpoint_writer = "thread"  # never forks
+    same = strip_timing(run_training(threads))
+    assert {**same, "config": None} == {**whole, "config": None} and len(forks) == 5
     for round in (2, 4):
         run = build_run(config, out_dir=tmp_path / f"resumed{round}")
         results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", round))

@@ -99,6 +99,7 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
         (["--device", "tpu"], "bad value --device 'tpu'"),
         (["--rounds-per-task", "0"], "bad value --rounds-per-task 0"),
         (["--host-memory", "free"], "bad value --host-memory free; must be one of keep, release"),
+        (["--checkpoint-writer", "fork"], "bad value --checkpoint-writer fork; must be one of auto, thread"),
         (["--model", "vgg"], "unknown model 'vgg'"),
         (["--plugins", "os:nosuchthing"], "module 'os' has no attribute 'nosuchthing'"),
     ],

@@ -43,6 +43,7 @@ OPTIONS = {
     "--data-path": st.sampled_from(["auto", "device", "loader", "gpu"]),
     "--offload-clients": st.sampled_from(["auto", "none", "cpu", "disk", "tape"]),
     "--host-memory": st.sampled_from(["keep", "release", "free"]),
+    "--checkpoint-writer": st.sampled_from(["auto", "thread", "fork"]),
     "--backend": st.sampled_from(["local", "spark"]),  # not ray: starting Ray takes seconds
     "--on-client-failure": st.sampled_from(["drop", "fail", "retry"]),
     "--scenario": st.sampled_from(["fcil-sync", "fcil-async", "sthfl", "fcl-random", "nosuch"]),

@@ -209,6 +209,14 @@ def cli() -> None:
 )
 @click.option("--keep-checkpoints", default=2, show_default=True, type=int, help="Checkpoints kept (the newest).")
 @click.option(
+    "--checkpoint-writer",
+    default="auto",
+    show_default=True,
+    help="auto: after a checkpoint whose pickling kept training waiting 0.2 s or more (many live clients), "
+    "the later ones are written by a forked copy of the process (Linux, CPU, --backend local); thread: "
+    "always pickled in the process and written by a thread. The files are the same.",
+)
+@click.option(
     "--on-client-failure",
     default="drop",
     show_default=True,
