@@ -153,7 +153,7 @@ class Schedule:
         start = time.perf_counter()
         path = save_in_background(run, results, fork=self.fork)
         self.cost = time.perf_counter() - start
-        if self.cost >= FORK_ABOVE_SECONDS and can_fork(run):
+        if not self.fork and self.cost >= FORK_ABOVE_SECONDS and can_fork(run):
             self.fork = True
         return path
 
@@ -281,13 +281,14 @@ class _ForkedWriter:
                 except OSError:  # no memory or process left for it: the caller writes in the process
                     os.close(self._read_end)
                     raise
-            if self.pid == 0:  # the child: never returns (CPython clears a signal pending at the fork)
+            if self.pid == 0:  # the child (CPython clears a signal pending at the fork)
+                code = 1
                 try:
-                    _child_writes(
+                    code = _child_writes(
                         write_end, lambda: _write_snapshot(*snapshot(run, results, objects, copy=False), keep)
                     )
                 finally:
-                    os._exit(1)  # never into the run's own code
+                    os._exit(code)  # whatever happens, never back into the run's own code
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # the process's Ctrl-C, if one came, lands now
             os.close(write_end)
@@ -326,15 +327,14 @@ class _ForkedWriter:
             self.error = RunFailure(f"the process writing checkpoint {self.path} {how}; it was not written")
 
 
-def _child_writes(report_to: int, write: Any) -> None:
-    """In the forked child: ``write()``, any error pickled to ``report_to``, then ``os._exit``."""
-    code = 1
+def _child_writes(report_to: int, write: Any) -> int:
+    """In the forked child: ``write()``, any error pickled to ``report_to``;
+    the child's exit status (0: written)."""
     try:
         gc.disable()
         write()
-        code = 0
+        return 0
     except BaseException as exc:  # noqa: BLE001 - reported to the process, which raises it
-        code = 1
         try:
             report = pickle.dumps(exc)
         except Exception:  # noqa: BLE001
@@ -343,8 +343,7 @@ def _child_writes(report_to: int, write: Any) -> None:
             os.write(report_to, report)
         except OSError:
             pass
-    finally:
-        os._exit(code)
+        return 1
 
 
 def save_in_background(run: Run, results: dict[str, Any], fork: bool = False) -> Path:
