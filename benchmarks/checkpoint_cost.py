@@ -10,7 +10,11 @@ client kept live), built and trained for one round by
 ``fedaval.api.run_training``; then ``--repeats`` checkpoints of it are taken:
 ``fedaval.checkpoint.snapshot`` (what training waits for: the run's objects
 pickled), ``_write_snapshot`` (the file, written in the background during
-training) and ``restore`` into a fresh build. Each checkout runs in a fresh
+training) and ``restore`` into a fresh build. Where the checkout has forked
+checkpoints (session 19), each repeat also takes the same checkpoint forked
+(``save_in_background(..., fork=True)``: what training waits for is the
+fork; then the child's pickling and writing, waited for) and checks that its
+file is the in-process one, byte for byte. Each checkout runs in a fresh
 interpreter with ``PYTHONPATH`` set to it (one torch thread), alternating,
 so that the ratios come from one invocation.
 """
@@ -60,7 +64,9 @@ with tempfile.TemporaryDirectory() as out:
     config = overhead.run_config(work, Path(out) / "run")
     run_training(config, extra_plugins=[keep])
     run = keep.run
-    times = {"snapshot": [], "write": [], "restore": []}
+    forks = hasattr(checkpoint, "_ForkedWriter")
+    times = {"snapshot": [], "write": [], "restore": []} | ({"fork": [], "forked write": []} if forks else {})
+    same = []
     for _ in range(options["repeats"]):
         start = time.perf_counter()
         path, content = checkpoint.snapshot(run, {"rounds": []})
@@ -69,6 +75,19 @@ with tempfile.TemporaryDirectory() as out:
         checkpoint._write_snapshot(path, content, 1)
         times["write"].append(time.perf_counter() - start)
         del content
+        if forks:
+            written = path.read_bytes()
+            path.unlink()
+            start = time.perf_counter()
+            checkpoint.save_in_background(run, {"rounds": []}, fork=True)
+            times["fork"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            checkpoint.wait(run)
+            times["forked write"].append(time.perf_counter() - start)
+            same.append(path.read_bytes() == written)
+            del written
+    if same and not all(same):
+        raise SystemExit("a forked checkpoint differs from the one written in the process")
     size = path.stat().st_size
     fresh = build_run(config, out_dir=Path(out) / "run")
     start = time.perf_counter()
@@ -128,15 +147,22 @@ def child_result(code: str, args: list[str], what: str, **run_options) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args, results = alternating(CHILD, argv, "checkpoints per process")
     print(f"\n{args.clients} live cnn clients; medians over {args.rounds} processes x {args.repeats} checkpoints")
-    print("| checkout | snapshot (training waits) s | write (background) s | restore s | file MB |")
-    print("|---|---|---|---|---|")
+    print(
+        "| checkout | snapshot (training waits) s | write (background) s | restore s | file MB "
+        "| forked: fork (training waits) s | forked: child's pickle and write s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for checkout, runs in results.items():
         median = {
-            k: statistics.median(t for r in runs for t in r["times"][k]) for k in ("snapshot", "write", "restore")
+            k: statistics.median(t for r in runs for t in r["times"][k]) if k in runs[0]["times"] else None
+            for k in ("snapshot", "write", "restore", "fork", "forked write")
         }
+        forked = " | ".join(
+            "not in this checkout" if v is None else f"{v:.3f}" for v in (median["fork"], median["forked write"])
+        )
         print(
             f"| {checkout} | {median['snapshot']:.2f} | {median['write']:.2f} | {median['restore']:.2f} "
-            f"| {runs[-1]['bytes'] / 1e6:.0f} |"
+            f"| {runs[-1]['bytes'] / 1e6:.0f} | {forked} |"
         )
     return 0
 
