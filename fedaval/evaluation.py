@@ -102,15 +102,18 @@ def write_scalars(run: Run) -> None:
 
 def client_accuracies(run: Run, round: int) -> dict[int, float | None]:
     """Each started client's stream accuracy on its seen classes. Clients
-    trained since their last evaluation are evaluated now (inside
+    trained since their last evaluation, or whose last result a plugin calls
+    stale (``fedaval_client_evaluation_stale``), are evaluated now (inside
     ``fedaval_client_evaluate``, in their own random streams); the others keep
     their last result. Runs on the driver whatever the backend: evaluation
     reads server state (GLDP's newest prototypes) that only the driver has."""
     accuracies = {}
+    stale_hook = run.hook.fedaval_client_evaluation_stale
+    ask = bool(stale_hook.get_hookimpls())  # 1000 clients a round: no hook call when nothing implements it
     for client in run.clients:
         if not client.tasks_started:
             continue
-        if client.trained_at > client.evaluated_at:
+        if client.trained_at > client.evaluated_at or (ask and any(stale_hook(run=run, client=client))):
             with client.rng_scope():
                 client.last_eval = run.hook.fedaval_client_evaluate(run=run, client=client) or {}
             client.evaluated_at = round

@@ -325,6 +325,19 @@ def fedaval_client_evaluate(run: Run, client: Client) -> dict[str, Any] | None:
 
 
 @hookspec
+def fedaval_client_evaluation_stale(run: Run, client: Client) -> bool | None:
+    """Whether ``client``'s last evaluation result no longer holds although
+    the client has not trained since. The core evaluates a started client
+    again when it trained since its last evaluation (``client.trained_at >
+    client.evaluated_at``) or when any plugin returns ``True`` here; other
+    clients keep their last result. Return ``True`` when the client's
+    evaluation reads state that has changed since ``client.evaluated_at``
+    (GLDP-GP's clients predict with the server's newest global prototypes).
+    Asked before each evaluation for every started client not trained since
+    its last one; every plugin is called, and ``True`` from any wins."""
+
+
+@hookspec
 def fedaval_round_metrics(run: Run, round: int) -> dict[str, float] | None:
     """Extra scalar metrics for round ``round``, recorded in results.json and
     TensorBoard next to the core's. Every plugin is called; dicts are merged."""

@@ -387,3 +387,31 @@ def test_one_local_epoch_warns_that_base_and_head_are_not_split(tiny_config, cap
     with caplog.at_level(logging.WARNING, logger="fedaval"):
         run_training(tiny_config(plugins=["gldp"], local_epochs=1, rounds_per_task=1))
     assert any("no base/head split" in r.getMessage() for r in caplog.records)
+
+
+def test_gldp_gp_a_loc_uses_the_latest_global_set_for_idle_clients(tiny_config):
+    """GLDP-GP scores every client with the latest global set. A client not
+    sampled in a round keeps its base and head, but the set moved in that
+    round's fusion: before session 20 it kept an A_loc scored with an older
+    set, so the core's a_loc differed from gldp_a_loc_gp at the same stage end."""
+    results = run_training(
+        tiny_config(
+            plugins=["gldp"],
+            local_epochs=3,
+            rounds_per_task=3,
+            clients_per_round=2,
+            scenario="sthfl",
+            scenario_options={"clients": 4, "classes_per_task": 3, "tasks": 2, "imbalance": 2.0},
+        )
+    )
+    ends = [r for r in results["rounds"] if r["task_end"]]
+    assert len(ends) == 2
+    started: set[int] = set()
+    idle_checked = 0
+    for r in results["rounds"]:
+        sampled = set(r["clients"])
+        idle_checked += r["task_end"] and bool(started - sampled)
+        started |= sampled
+        if r["task_end"]:
+            assert r["a_loc"] == pytest.approx(r["plugin_metrics"]["gldp"]["gldp_a_loc_gp"], abs=1e-6)
+    assert idle_checked  # some started client sat a stage's last round out: the case that was wrong

@@ -135,6 +135,10 @@ class Recorder:
         return result
 
     @hookimpl
+    def fedaval_client_evaluation_stale(self, run, client):
+        self._add(f"stale({client.id})")  # asked only for a client not trained since it was evaluated: never here
+
+    @hookimpl
     def fedaval_federation_model(self, run):
         return None  # the core's "global" decides
 

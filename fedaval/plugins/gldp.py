@@ -29,9 +29,13 @@
   the linear head (CE); evaluation uses the global set (GLDP-GP,
   ``predict=global``) or the client's local set (GLDP-LP, ``predict=local``);
   the global model always uses the global set. Reading: evaluation uses the
-  latest global set (the one the next broadcast carries). Both variants'
+  latest global set (the one the next broadcast carries), for every client
+  at every evaluation: a client not sampled since its last evaluation is
+  scored again with the set that moved since (``fedaval_client_evaluation_stale``;
+  before, it kept a result scored with an older set). Both variants'
   A_loc are also reported at the end of every stage as ``gldp_a_loc_gp``
-  and ``gldp_a_loc_lp``, whichever ``predict`` is.
+  and ``gldp_a_loc_lp``, whichever ``predict`` is; with ``predict=global``
+  the first equals the core's ``a_loc`` there.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class GLDP(PersonalHead, Plugin):
     def __init__(self, options=None):
         super().__init__(options)
         self.global_set: PrototypeSet = {}  # C~ now (what is broadcast)
+        self.global_set_round = 0  # the round whose fusion last changed it
         self.eval_cache: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # test features
 
     # --- set-up --------------------------------------------------------------
@@ -173,6 +178,7 @@ class GLDP(PersonalHead, Plugin):
         sets = [u.get(ENTRY) for u in uploads if u.get(ENTRY)]
         if sets:
             self.global_set = ema_update(self.global_set, mean_over_holders(sets), self.options.beta)
+            self.global_set_round = round
         return {ENTRY: self.global_set} if self.global_set else None
 
     # --- prediction and evaluation -------------------------------------------
@@ -181,6 +187,14 @@ class GLDP(PersonalHead, Plugin):
         if client is None or predict == "global":
             return self.global_set
         return client.stash.get(LOCAL, {})
+
+    @hookimpl
+    def fedaval_client_evaluation_stale(self, run, client):
+        """GLDP-GP: a client's A_loc is scored with the latest global set, so a
+        client not sampled since its last evaluation is scored again once the
+        set has moved (its base and head have not); GLDP-LP's local set only
+        moves when the client trains."""
+        return self.options.predict == "global" and self.global_set_round > client.evaluated_at
 
     @hookimpl
     def fedaval_classify(self, run, client, model, features, training):
