@@ -429,3 +429,35 @@ def test_every_new_task_is_learned_on_digits(tiny_config):
     # the fit converged every round, before the cap (measured: 60 to 109 iterations, mean over clients)
     steps = [r["losses"]["fedprok/head_fit_steps"] for r in results["rounds"] if r["task"] >= 1]
     assert all(0 < s < FedProKOptions().head_steps for s in steps), steps
+
+
+def test_the_classifier_fit_weighs_the_pseudo_features_by_the_weight_option():
+    """``fedprok.weight`` scales the pseudo features' cross-entropy in the fit
+    too. The fit's objective is convex, so before session 20, when the fit
+    ignored it, the option changed nothing a client uploaded once its
+    extractor was frozen. weight=1 is the fit as it was (same head, bit for
+    bit); weight=0 leaves the old classes out, so the head never predicts
+    them; the weighted objective is what the fit reports."""
+    features, labels, plan = balanced_set(1.0)
+    pseudo, targets, valid = translate_features(features, labels, plan)
+    heads = {}
+    for weight in (None, 1.0, 0.0, 3.0):
+        torch.manual_seed(1)
+        head = torch.nn.Linear(16, 10)
+        args = (head, features, labels, plan, 1e-4, 200)
+        loss, _ = fit_head(*args) if weight is None else fit_head(*args, weight=weight)
+        heads[weight] = (head, loss)
+    default, one = heads[None][0], heads[1.0][0]
+    assert torch.equal(default.weight, one.weight) and torch.equal(default.bias, one.bias)
+    with torch.no_grad():
+        old_scores = {w: h(pseudo[valid]).argmax(1) for w, (h, _) in heads.items()}
+        three, loss3 = heads[3.0]
+        ce = torch.nn.functional.cross_entropy
+        expected = (
+            ce(three(features), labels, reduction="sum")
+            + 3.0 * ce(three(pseudo[valid]), targets[valid], reduction="sum")
+        ) / len(labels)
+    old = set(targets[valid].tolist())
+    assert not set(old_scores[0.0].tolist()) & old  # weight 0: an old class is never predicted
+    assert (old_scores[1.0] == targets[valid]).float().mean() >= 0.95
+    assert loss3 == pytest.approx(expected.item(), rel=1e-5)

@@ -99,6 +99,13 @@ Readings chosen where the paper is open (each pinned by a test in
    0.82]). ``head_steps=0`` gives the paper's plain local training. The
    round's ``fedprok/head_fit_steps`` records the iterations the fit took
    (mean over clients); ``head_steps`` there means it stopped at the cap.
+   The fit starts from the head the local epochs left, but its objective is
+   convex (weight decay > 0), so the head a client uploads is the fit's
+   minimum whatever those epochs did: with a frozen extractor they only cost
+   time (counted in E). ``weight`` scales the pseudo features' cross-entropy
+   in the fit as in the local epochs (until session 20 the fit ignored it,
+   so the option changed nothing a client uploaded once its extractor was
+   frozen).
 
 Ablations (paper Table 1): ``-o fedprok.translation=false`` (w/o FT: no pseudo
 features) and ``-o fedprok.fusion=false`` (w/o PKF: no prototype is uploaded
@@ -143,7 +150,9 @@ class FedProKOptions:
     fusion: bool = option(True, "prototypical knowledge fusion on the server (false: ablation w/o PKF)")
     beta: float = option(0.5, "Eq. 9: weight of this round's mean for a class known before the task", unit_interval)
     freeze: bool = option(True, "freeze the feature extractor from task index 1 on (FeTrIL)")
-    weight: float = option(1.0, "weight of the pseudo-feature cross-entropy", non_negative)
+    weight: float = option(
+        1.0, "weight of the pseudo-feature cross-entropy (local epochs and the classifier fit)", non_negative
+    )
     head_steps: int = option(
         1000,
         "with a frozen extractor: at most this many L-BFGS iterations fitting the classifier to convergence "
@@ -294,7 +303,9 @@ class FedProK(Plugin):
         mode = head.training
         head.train()
         try:
-            loss, steps = fit_head(head, features, labels, plan, run.config.weight_decay, self.options.head_steps)
+            loss, steps = fit_head(
+                head, features, labels, plan, run.config.weight_decay, self.options.head_steps, self.options.weight
+            )
         finally:
             head.train(mode)
         return {"loss/head_fit": loss, "fedprok/head_fit_steps": float(steps)}

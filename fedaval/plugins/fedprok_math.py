@@ -108,13 +108,16 @@ def fit_head(
     plan: Translation,
     l2: float,
     max_steps: int,
+    weight: float = 1.0,
 ) -> tuple[float, int]:
     """Fit the linear classifier ``head`` to convergence on the balanced set
     of FedProK's reading 8: the real features ``features`` [N, D] with their
     ``labels`` and their translations by ``plan`` (Eq. 8), each pseudo
-    feature weighing like a real one (reading 3). The objective is convex:
+    feature weighing ``weight`` times a real one (reading 3: 1, the default;
+    the option ``fedprok.weight``, as in the local epochs' ``pseudo_ce``).
+    The objective is convex:
 
-        (sum_i CE(head(f_i), y_i) + sum_j CE(head(f^_j), p_j)) / N + l2 / 2 * |params|^2
+        (sum_i CE(head(f_i), y_i) + weight * sum_j CE(head(f^_j), p_j)) / N + l2 / 2 * |params|^2
 
     minimised by full-batch L-BFGS (strong Wolfe line search) for at most
     ``max_steps`` iterations, until the gradient or the change of the
@@ -137,10 +140,19 @@ def fit_head(
         line_search_fn="strong_wolfe",
     )
     n = max(len(labels), 1)
+    # per-sample weights only when they are not all 1: the same sum, in the same order, as before them
+    weights = None
+    if weight != 1.0:
+        weights = torch.cat([features.new_ones(len(labels)), features.new_full((len(truth) - len(labels),), weight)])
+
+    def cross_entropy() -> torch.Tensor:
+        if weights is None:
+            return torch.nn.functional.cross_entropy(head(inputs), truth, reduction="sum") / n
+        return (torch.nn.functional.cross_entropy(head(inputs), truth, reduction="none") * weights).sum() / n
 
     def objective() -> torch.Tensor:
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(head(inputs), truth, reduction="sum") / n
+        loss = cross_entropy()
         if l2:
             loss = loss + 0.5 * l2 * sum(p.pow(2).sum() for p in params)
         loss.backward()
@@ -149,7 +161,7 @@ def fit_head(
     optimizer.step(objective)
     steps = int(optimizer.state[params[0]].get("n_iter", 0)) if params else 0
     with torch.no_grad():
-        end = torch.nn.functional.cross_entropy(head(inputs), truth, reduction="sum") / n
+        end = cross_entropy()
     return float(end), steps
 
 
