@@ -410,10 +410,12 @@ def summarise(
       last evaluated round; ``average_client_accuracy``: its mean over the
       stages' ends;
     * ``a_glo``, ``a_loc``: at the last evaluated round (GLDP);
-    * ``utility``, ``stability``, ``plasticity``: means over the evaluated
-      rounds where U is defined (a previous stage exists), FedProK's
-      "averaged accuracy during the entire training"; ``*_last``: the last
-      evaluated round's values;
+    * ``utility``, ``stability``, ``plasticity``: means over the stages' ends
+      where U is defined (a previous stage exists), FedProK's reading (Sec. 4:
+      stability and plasticity are "averaged accuracy ... during the entire
+      training", each taken "after the completion of training on task t");
+      until session 20 the mean was over every evaluated round, mid-stage
+      ones too; ``*_last``: the last evaluated round's values;
     * ``efficiency``: FedProK's E = (tau1 + tau2) / R, seconds per round:
       ``efficiency_computation`` (clients' local training plus fusion, no
       evaluation) plus ``efficiency_communication`` (bytes sent at
@@ -422,7 +424,7 @@ def summarise(
     evaluated = [r for r in rounds if "mean_client_accuracy" in r]
     task_ends = [r for r in evaluated if r.get("task_end")]
     last = evaluated[-1] if evaluated else {}
-    with_utility = [r for r in evaluated if r.get("utility") is not None]
+    with_utility = [r for r in task_ends if r.get("utility") is not None]
     own_matrix = None if all(row is None for row in matrix) else matrix
     compute = _mean_of(rounds, "seconds_computation")
     communication = _mean_of(rounds, "seconds_communication")

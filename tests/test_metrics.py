@@ -91,14 +91,23 @@ def rounds_by_hand():
     ]
 
 
-def test_utility_is_the_training_average_and_the_last_value_is_kept():
-    final = summarise(rounds_by_hand(), [[0.9], [0.3, 0.5]])
-    assert final["utility"] == pytest.approx(0.5)  # mean of 0.6 and 0.4 (round 1 has no previous stage)
-    assert final["stability"] == pytest.approx(0.35) and final["plasticity"] == pytest.approx(0.65)
+def test_utility_is_the_average_over_task_ends_and_the_last_value_is_kept():
+    """FedProK Sec. 4: stability and plasticity are taken "after the completion
+    of training on task t" and averaged over the training. Round 2 is
+    mid-stage: until session 20 it counted (utility 0.5, the mean of 0.6 and
+    0.4); round 1 has no previous stage."""
+    rounds = rounds_by_hand()
+    final = summarise(rounds, [[0.9], [0.3, 0.5]])
+    assert final["utility"] == pytest.approx(0.4)
+    assert final["stability"] == pytest.approx(0.3) and final["plasticity"] == pytest.approx(0.5)
     assert (final["utility_last"], final["stability_last"], final["plasticity_last"]) == (0.4, 0.3, 0.5)
     assert final["average_accuracy"] == pytest.approx((0.9 + 0.45) / 2)
     assert final["average_client_accuracy"] == pytest.approx((0.8 + 0.7) / 2)
     assert final["forgetting"] == pytest.approx(0.6) and final["bwt"] == pytest.approx(-0.6)
+    fourth = {**rounds[2], "round": 4, "utility": 0.2, "stability": 0.1, "plasticity": 0.3}
+    longer = summarise([*rounds, fourth], [[0.9], [0.3, 0.5], [0.2, 0.4, 0.6]])
+    assert longer["utility"] == pytest.approx(0.3)  # (0.4 + 0.2) / 2, the two stage ends with a previous stage
+    assert longer["stability"] == pytest.approx(0.2) and longer["plasticity"] == pytest.approx(0.4)
 
 
 def test_efficiency_is_computation_plus_communication_per_round():
