@@ -251,3 +251,33 @@ def test_statistics_at_task_end_are_in_the_global_models_feature_space(tiny_conf
         assert down > 0 and up > 0
     else:
         assert min(gaps) > 1e-3, gaps
+
+
+def test_with_seen_classes_the_exchange_statistics_are_what_clients_resend(tiny_config):
+    """stats_classes=seen: the server rebuilds its memory every round from what
+    clients re-send. After the task-end exchange the client keeps the
+    exchange's Gaussians (under the fused prompts) and re-sends those; before
+    session 20 it re-sent its own last upload's (under its local prompts), so
+    from the next round on the exchange was undone for every earlier class."""
+    from fedaval.plugins.hgp import model_features
+    from fedaval.plugins.hgp_gaussian import class_gaussians
+    from fedaval.streams import make_dataset
+
+    run = make_run(tiny_config, stats_classes="seen")
+    play(run, [1])
+    expected = {}
+    for client in run.clients:
+        dataset = make_dataset(run.data, "train", client.tasks.indices[0])
+        expected[client.id] = class_gaussians(*model_features(run, run.server.model, dataset))
+    play(run, [2])  # task 1: the memory is rebuilt from the uploads
+    hgp = run.plugins.objects["hgp"]
+    checked = 0
+    for client in run.clients:
+        for c, g in expected[client.id].items():
+            if c in client.tasks.classes[1]:
+                continue  # re-measured by task 1's exchange
+            stored = hgp.memory[c][client.id]
+            assert stored.count == g.count
+            assert torch.allclose(stored.mean, g.mean, atol=1e-6) and torch.allclose(stored.cov, g.cov, atol=1e-6)
+            checked += 1
+    assert checked

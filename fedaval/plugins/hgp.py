@@ -50,7 +50,11 @@ Readings chosen (only the abstract and a summary of the paper are at hand):
   the round's uploads (local prompts): the global model evaluated mid-task
   sees statistics one local training away from its prompts. Classes of
   earlier tasks keep the statistics of their own task's end (clients keep
-  no data of them).
+  no data of them): with ``stats_classes=seen`` the client keeps the
+  exchange's Gaussians as its own and re-sends those (until session 20 it
+  re-sent the ones of its last local upload, under its own prompts, and
+  they replaced the exchange's in the server's memory from the next round
+  on).
 """
 
 from __future__ import annotations
@@ -277,6 +281,8 @@ class HGP(Plugin):
             fresh = class_gaussians(*model_features(run, run.server.model, dataset), self.options.covariance)
             for c, g in fresh.items():
                 self.memory.setdefault(c, {})[client.id] = g
+            if self.options.stats_classes == "seen":  # what it re-sends later: the exchange's, not its own prompts'
+                client.stash.setdefault(STATS, dict).update(fresh)
             down += payload_nbytes(prompts)
             up += payload_nbytes({c: g.to_payload() for c, g in fresh.items()})
         self.exchange_bytes = (down, up)

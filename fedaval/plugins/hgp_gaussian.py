@@ -12,7 +12,11 @@ Sigma_{m,c}) with pi_{m,c} = n_{m,c} / sum_m' n_{m',c}; the summary phrases
 the server step as the distribution closest to the clients' in a
 pi-weighted divergence -- the pi-weighted mixture is that distribution's
 natural reading (it is the minimiser of sum_m pi_m KL(G_m || Q) over all Q),
-and it is what is sampled here. Synthetic features are drawn class-balanced
+as the project's digest proposes, and it is what is sampled here. The
+summary's own formula is garbled (it names the JSD but writes
+sum_m pi_{m,c} KL(Q~_c || G), G unsubscripted); read literally, KL(Q || G_m)
+over Gaussian Q is minimised by one narrower Gaussian (precision
+sum_m pi_m Sigma_m^-1), a reading not implemented here. Synthetic features are drawn class-balanced
 from the mixtures and the global classifier is retrained on them
 ("classifier re-balancing").
 """
