@@ -147,7 +147,7 @@ Date: {datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}; machine: {platform.mac
 Setting: shared CIFAR-10 as ImageFolder, first {args.train_per_class} train / {args.test_per_class} test images per class;
 `fcl-random` ({args.clients} clients, each a random sequence of 2-4 tasks of 2 classes), model `cnn` (128-d prototypes),
 {args.rounds_per_task} rounds per task, {args.local_epochs} local epoch(s), batch {args.batch_size}, SGD lr {args.lr} momentum {args.momentum},
-seed {args.seed}. PFCL defaults: alpha=1, beta=0.1, T=2 (distillation), classifier T=1, memory 20 per class.
+seed {args.seed}. PFCL defaults: alpha=1, beta=0.1, T=2 (the classifier's and the distillation's), memory 20 per class.
 Accuracy = mean over clients of each client's nearest-prototype accuracy on its seen classes (PFCL has no global
 model); "average" = mean over the task ends, "final" = after the last task. The FedAvg row is there for the bytes.
 
