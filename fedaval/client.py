@@ -187,6 +187,17 @@ class Client:
         finally:
             self.rng = swap_streams(outside, self.run.device)
 
+    def copy_of_streams(self) -> dict[str, Any]:
+        """A copy of this client's random streams as they stand (NumPy's bit
+        generator advances in place, so it is copied too), for putting back
+        with ``client.rng = copy`` after draws that must leave no trace."""
+        streams = dict(self.rng)
+        if isinstance(streams["numpy"], np.random.MT19937):
+            bit_generator = np.random.MT19937()
+            bit_generator.state = streams["numpy"].state
+            streams["numpy"] = bit_generator
+        return streams
+
     # --- the round --------------------------------------------------------
     def receive(self, download: dict[str, Any]) -> None:
         """Load the shared weights of the broadcast, then let plugins read the rest."""

@@ -104,8 +104,9 @@ def client_accuracies(run: Run, round: int) -> dict[int, float | None]:
     """Each started client's stream accuracy on its seen classes. Clients
     trained since their last evaluation, or whose last result a plugin calls
     stale (``fedaval_client_evaluation_stale``), are evaluated now (inside
-    ``fedaval_client_evaluate``, in their own random streams); the others keep
-    their last result. Runs on the driver whatever the backend: evaluation
+    ``fedaval_client_evaluate``, in their own random streams; for a stale one
+    the streams are put back afterwards, so that the extra evaluation leaves
+    the run's training as it was); the others keep their last result. Runs on the driver whatever the backend: evaluation
     reads server state (GLDP's newest prototypes) that only the driver has."""
     accuracies = {}
     stale_hook = run.hook.fedaval_client_evaluation_stale
@@ -113,9 +114,17 @@ def client_accuracies(run: Run, round: int) -> dict[int, float | None]:
     for client in run.clients:
         if not client.tasks_started:
             continue
-        if client.trained_at > client.evaluated_at or (ask and any(stale_hook(run=run, client=client))):
+        if client.trained_at > client.evaluated_at:
             with client.rng_scope():
                 client.last_eval = run.hook.fedaval_client_evaluate(run=run, client=client) or {}
+            client.evaluated_at = round
+        elif ask and any(stale_hook(run=run, client=client)):
+            # an extra look at an idle client: its random streams (evaluation draws a loader seed
+            # from them) are put back, so its training goes on as it would have without the look
+            streams = client.copy_of_streams()
+            with client.rng_scope():
+                client.last_eval = run.hook.fedaval_client_evaluate(run=run, client=client) or {}
+            client.rng = streams
             client.evaluated_at = round
         if client.last_eval:
             accuracies[client.id] = scalar(client.last_eval, STREAM_ACC)

@@ -334,7 +334,9 @@ def fedaval_client_evaluation_stale(run: Run, client: Client) -> bool | None:
     evaluation reads state that has changed since ``client.evaluated_at``
     (GLDP-GP's clients predict with the server's newest global prototypes).
     Asked before each evaluation for every started client not trained since
-    its last one; every plugin is called, and ``True`` from any wins."""
+    its last one; every plugin is called, and ``True`` from any wins. Such an
+    extra evaluation leaves no trace in the client's random streams (the core
+    puts them back), so the run's training is the same with or without it."""
 
 
 @hookspec
