@@ -15,6 +15,12 @@
   that round's base weights.
 * Local prototype set (Eq. 9): ``C^_i^n <- beta C^_i^n + (1-beta) C_i^n``
   after every local round (Algorithm 1, line 15), a new class added as it is.
+  So beta compounds over rounds: after R rounds of a later stage, a class's
+  prototype from an earlier stage keeps beta^R of its weight (0.5^10 = 0.001
+  at the paper's 10 rounds per stage), where Eq. 9's stage index (m) and the
+  project's digest ("EMA over stages") would keep beta. That reading (the
+  local set moved once per stage, L_LP against the earlier stages' set) was
+  set aside in issue 18: it leaves L_LP exactly 0 in every M = 1 run.
 * Global prototype set (Eq. 11), on the server, every round (Algorithm 1,
   lines 5-6): ``C~^n <- beta C~^n + (1-beta) mean_{i in N_n} C_i^n``, N_n =
   the clients of the round that uploaded class n; a class new to the set is
