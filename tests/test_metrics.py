@@ -306,7 +306,10 @@ def test_idle_clients_keep_their_result_unless_a_plugin_calls_it_stale(tmp_path)
     for stale in (False, True):
         watch = Watch(stale)
         config = tiny_run_config(
-            tmp_path / f"run-{stale}", scenario_options={"clients": 3, "tasks": 2}, clients_per_round=1, rounds_per_task=3
+            tmp_path / f"run-{stale}",
+            scenario_options={"clients": 3, "tasks": 2},
+            clients_per_round=1,
+            rounds_per_task=3,
         )
         runs[stale] = run_training(config, extra_plugins=[watch]), watch
     for stale, (results, watch) in runs.items():
