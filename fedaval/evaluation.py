@@ -106,8 +106,9 @@ def client_accuracies(run: Run, round: int) -> dict[int, float | None]:
     stale (``fedaval_client_evaluation_stale``), are evaluated now (inside
     ``fedaval_client_evaluate``, in their own random streams; for a stale one
     the streams are put back afterwards, so that the extra evaluation leaves
-    the run's training as it was); the others keep their last result. Runs on the driver whatever the backend: evaluation
-    reads server state (GLDP's newest prototypes) that only the driver has."""
+    the run's training as it was); the others keep their last result. Runs
+    on the driver whatever the backend: evaluation reads server state
+    (GLDP's newest prototypes) that only the driver has."""
     accuracies = {}
     stale_hook = run.hook.fedaval_client_evaluation_stale
     ask = bool(stale_hook.get_hookimpls())  # 1000 clients a round: no hook call when nothing implements it
