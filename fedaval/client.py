@@ -174,29 +174,22 @@ class Client:
         return sorted({c for t in self.tasks_started for c in self.tasks.classes[t]})
 
     @contextmanager
-    def rng_scope(self) -> Iterator[None]:
+    def rng_scope(self, keep_draws: bool = True) -> Iterator[None]:
         """Make this client's random streams the global ones (Python, NumPy,
         torch CPU and the run's CUDA device) while the block runs, then keep
         where they got to and put the run's back (:func:`swap_streams`).
         Whatever the client draws (data order, dropout, a plugin's sampling)
         is then independent of the other clients and of the order in which
-        they run."""
+        they run. With ``keep_draws=False`` the client's streams are put back
+        as they were before the block: its draws leave no trace."""
+        before = None if keep_draws else copy_streams(self.rng)
         outside = swap_streams(self.rng, self.run.device)
         try:
             yield
         finally:
             self.rng = swap_streams(outside, self.run.device)
-
-    def copy_of_streams(self) -> dict[str, Any]:
-        """A copy of this client's random streams as they stand (NumPy's bit
-        generator advances in place, so it is copied too), for putting back
-        with ``client.rng = copy`` after draws that must leave no trace."""
-        streams = dict(self.rng)
-        if isinstance(streams["numpy"], np.random.MT19937):
-            bit_generator = np.random.MT19937()
-            bit_generator.state = streams["numpy"].state
-            streams["numpy"] = bit_generator
-        return streams
+            if before is not None:
+                self.rng = before
 
     # --- the round --------------------------------------------------------
     def receive(self, download: dict[str, Any]) -> None:
@@ -294,6 +287,17 @@ def swap_streams(streams: dict[str, Any], device: torch.device) -> dict[str, Any
         previous["cuda"] = torch.cuda.get_rng_state(device)
         torch.cuda.set_rng_state(streams["cuda"], device)
     return previous
+
+
+def copy_streams(streams: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a client's streams (:func:`client_rng`) that later draws do
+    not change: NumPy's bit generator advances in place, so it is copied; the
+    other states are values, replaced rather than changed by a scope."""
+    copy = dict(streams)
+    if isinstance(copy["numpy"], np.random.MT19937):
+        copy["numpy"] = np.random.MT19937()
+        copy["numpy"].state = streams["numpy"].state
+    return copy
 
 
 def numpy_bit_generator(state: Any) -> np.random.MT19937:

@@ -115,17 +115,12 @@ def client_accuracies(run: Run, round: int) -> dict[int, float | None]:
     for client in run.clients:
         if not client.tasks_started:
             continue
-        if client.trained_at > client.evaluated_at:
-            with client.rng_scope():
+        trained = client.trained_at > client.evaluated_at
+        if trained or (ask and any(stale_hook(run=run, client=client))):
+            # an extra look at an idle client leaves no trace in its random streams (evaluation
+            # draws a loader seed from them), so its training goes on as it would have without it
+            with client.rng_scope(keep_draws=trained):
                 client.last_eval = run.hook.fedaval_client_evaluate(run=run, client=client) or {}
-            client.evaluated_at = round
-        elif ask and any(stale_hook(run=run, client=client)):
-            # an extra look at an idle client: its random streams (evaluation draws a loader seed
-            # from them) are put back, so its training goes on as it would have without the look
-            streams = client.copy_of_streams()
-            with client.rng_scope():
-                client.last_eval = run.hook.fedaval_client_evaluate(run=run, client=client) or {}
-            client.rng = streams
             client.evaluated_at = round
         if client.last_eval:
             accuracies[client.id] = scalar(client.last_eval, STREAM_ACC)
