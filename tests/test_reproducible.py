@@ -63,3 +63,27 @@ def test_a_client_scope_switches_numpy_to_the_clients_own_generator(tiny_config,
     with client.rng_scope():
         again = [draw() for _ in range(3)]
     assert again == inside
+
+
+def test_a_scope_that_keeps_no_draws_leaves_the_clients_streams_as_they_were(tiny_config):
+    """``rng_scope(keep_draws=False)`` (an idle client's extra evaluation):
+    the next scope draws what it would have drawn without it, NumPy's bit
+    generator (advanced in place) included, and the run's streams go on."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from fedaval.build import build_run
+
+    def draw():
+        return random.random(), float(np.random.random_sample()), float(torch.rand(()))
+
+    run = build_run(tiny_config())
+    client = run.clients[0]
+    with client.rng_scope():
+        draw()  # NumPy's stream is a bit generator object, advanced in place, from here on
+    with client.rng_scope(keep_draws=False):
+        first = draw()
+    with client.rng_scope():
+        assert draw() == first  # the scope that kept nothing left the streams where they were
