@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import TEST_DEVICE
 
 from fedaval import hookimpl
 from fedaval.api import run_training
@@ -461,3 +462,60 @@ def test_the_classifier_fit_weighs_the_pseudo_features_by_the_weight_option():
     assert not set(old_scores[0.0].tolist()) & old  # weight 0: an old class is never predicted
     assert (old_scores[1.0] == targets[valid]).float().mean() >= 0.95
     assert loss3 == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_the_classifier_fit_runs_on_a_copy_whose_result_the_client_uploads(tiny_config, tmp_path, monkeypatch):
+    """``fedprok.fit_device``: the fit runs on a copy of the classifier on the
+    CPU (default; on a GPU shared by six runs PyTorch's L-BFGS, which reads
+    scalars back some 45 times an iteration, took most of a full-scale round:
+    docs/reproduction.md) or on the run's device (``run``), and the fitted
+    weights are copied into the client's own classifier, which it uploads.
+    On the CPU both places give the same run, bit for bit."""
+    from fedaval.plugins import fedprok
+
+    fits = []  # the fitted head's weights, until the client uploads
+    places = set()  # where the fits ran
+    original = fedprok.fit_head
+
+    def spy(head, features, labels, plan, *args):
+        result = original(head, features, labels, plan, *args)
+        fits.append({k: v.detach().clone() for k, v in head.state_dict().items()})
+        places.update(t.device.type for t in (head.weight, features, labels, plan.shifts))
+        return result
+
+    class Uploads:
+        name = "uploads"
+
+        def __init__(self):
+            self.checked = 0
+
+        @hookimpl(tryfirst=True)
+        def fedaval_client_upload(self, run, client):
+            if fits:  # the client's classifier at upload is the fit's result, not the head the epochs left
+                mine = client.model.classifier.state_dict()
+                assert all(torch.equal(mine[k], v) for k, v in fits.pop().items())
+                assert not fits
+                self.checked += 1
+
+    monkeypatch.setattr(fedprok, "fit_head", spy)
+    results, probes, ran_on = {}, {}, {}
+    for where in ("cpu", "run"):
+        probes[where] = Uploads()
+        places.clear()
+        results[where] = run_training(
+            tiny_config(
+                plugins=["fedprok"],
+                plugin_options={"fedprok": {"fit_device": where}},
+                scenario_options={"clients": 2, "tasks": 3},
+                out=tmp_path / where,
+            ),
+            extra_plugins=[probes[where]],
+        )
+        ran_on[where] = set(places)
+    assert ran_on == {"cpu": {"cpu"}, "run": {torch.device(TEST_DEVICE).type}}
+    assert probes["cpu"].checked == probes["run"].checked >= 2 * 2 * 2  # 2 clients x tasks 1-2 x rounds
+    if TEST_DEVICE != "cpu":
+        return  # on a GPU the two places round differently
+    cpu, run = results["cpu"], results["run"]
+    assert [r["global_accuracy"] for r in cpu["rounds"]] == [r["global_accuracy"] for r in run["rounds"]]
+    assert [r["losses"] for r in cpu["rounds"]] == [r["losses"] for r in run["rounds"]]

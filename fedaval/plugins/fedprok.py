@@ -105,7 +105,13 @@ Readings chosen where the paper is open (each pinned by a test in
    time (counted in E). ``weight`` scales the pseudo features' cross-entropy
    in the fit as in the local epochs (until session 20 the fit ignored it,
    so the option changed nothing a client uploaded once its extractor was
-   frozen).
+   frozen). Where: on the CPU by default (``fit_device``), on a copy of the
+   classifier whose fitted weights are copied back. PyTorch's L-BFGS reads
+   scalars back from the device about 45 times an iteration (two per
+   history entry in its two-loop recursion, more in the line search); on an
+   H100 shared by six full-scale runs (session 21) that made a fit of ~700
+   iterations take 12 to 40 s, most of the round. ``fit_device=run`` fits
+   on the run's device.
 
 Ablations (paper Table 1): ``-o fedprok.translation=false`` (w/o FT: no pseudo
 features) and ``-o fedprok.fusion=false`` (w/o PKF: no prototype is uploaded
@@ -114,6 +120,7 @@ or fused; every client translates from its own prototypes only).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -161,6 +168,11 @@ class FedProKOptions:
     )
     weighting: Literal["samples", "uniform"] = option(
         "samples", "FedAvg of the weights: by sample counts, or uniform 1/K (Algorithm 1, line 13)"
+    )
+    fit_device: Literal["cpu", "run"] = option(
+        "cpu",
+        "where the classifier fit runs: on the CPU (PyTorch's L-BFGS waits for a GPU some 45 times an "
+        "iteration) or on the run's device",
     )
 
 
@@ -299,15 +311,21 @@ class FedProK(Plugin):
         if plan is None or exp is None:
             return None
         features, labels = extract_features(client.model, exp.dataset, run.device, run=run)
+        where = torch.device("cpu") if self.options.fit_device == "cpu" else features.device
         head = client.model.classifier
-        mode = head.training
-        head.train()
-        try:
-            loss, steps = fit_head(
-                head, features, labels, plan, run.config.weight_decay, self.options.head_steps, self.options.weight
-            )
-        finally:
-            head.train(mode)
+        fitted = copy.deepcopy(head).to(where).train()
+        loss, steps = fit_head(
+            fitted,
+            features.to(where),
+            labels.to(where),
+            plan.to(where),
+            run.config.weight_decay,
+            self.options.head_steps,
+            self.options.weight,
+        )
+        with torch.no_grad():
+            for mine, fit in zip(head.parameters(), fitted.parameters(), strict=True):
+                mine.copy_(fit)
         return {"loss/head_fit": loss, "fedprok/head_fit_steps": float(steps)}
 
     @hookimpl

@@ -47,6 +47,10 @@ class Translation:
     bases: torch.Tensor
     slots: torch.Tensor
 
+    def to(self, device: torch.device) -> Translation:
+        """The same plan on ``device``."""
+        return Translation(*(t.to(device) for t in (self.targets, self.shifts, self.bases, self.slots)))
+
 
 def plan_translation(
     old_classes: list[int], old_protos: torch.Tensor, new_classes: list[int], new_protos: torch.Tensor
@@ -80,13 +84,20 @@ def translate_features(
     classes' order; ``valid`` marks the pseudo features that exist (the base
     class is the sample's label), the others are padding that
     :func:`pseudo_cross_entropy` leaves out."""
-    match = labels.unsqueeze(1) == plan.bases.unsqueeze(0)  # [B, N]: the sample's current class, if any
-    row = match.long().argmax(dim=1)
-    slot = plan.slots[row]  # [B, K]
-    valid = (slot >= 0) & match.any(dim=1, keepdim=True)
+    slot = translation_slots(labels, plan)
+    valid = slot >= 0
     slot = slot.clamp(min=0)
     pseudo = features.unsqueeze(1) + plan.shifts[slot]  # [B, K, D]
     return pseudo.flatten(0, 1), plan.targets[slot].flatten(), valid.flatten()
+
+
+def translation_slots(labels: torch.Tensor, plan: Translation) -> torch.Tensor:
+    """[B, K]: for each sample of ``labels`` [B], the old classes (indices
+    into ``plan.targets``) that Eq. 8 translates it into, padded with -1 (a
+    sample whose label is no base class has none)."""
+    match = labels.unsqueeze(1) == plan.bases.unsqueeze(0)  # [B, N]: the sample's current class, if any
+    slot = plan.slots[match.long().argmax(dim=1)]  # [B, K]
+    return torch.where(match.any(dim=1, keepdim=True), slot, -1)
 
 
 def pseudo_cross_entropy(
@@ -102,7 +113,7 @@ def pseudo_cross_entropy(
 
 
 def fit_head(
-    head: torch.nn.Module,
+    head: torch.nn.Linear,
     features: torch.Tensor,
     labels: torch.Tensor,
     plan: Translation,
@@ -123,12 +134,22 @@ def fit_head(
     ``max_steps`` iterations, until the gradient or the change of the
     objective vanishes. Unlike SGD with a fixed learning rate, nothing in it
     depends on the features' scale (ResNet-18's features made a fixed step of
-    0.1 with momentum diverge). The pseudo features are made once (the
-    extractor is frozen and the plan fixed). Returns (the objective's
+    0.1 with momentum diverge).
+
+    The pseudo features are never made: the head is linear, so the logits of
+    ``f_n + mu_p - mu_n`` are those of ``f_n`` plus ``W (mu_p - mu_n)``. An
+    evaluation of the objective multiplies the real features [N, D] and the
+    plan's shifts [P, D] by the weights, instead of the real and pseudo
+    features (up to P / |new classes| times N rows more; at task 4 of
+    CIFAR-10, five times as many rows in all), which bounded an iteration's
+    time on the CPU (``benchmarks/fedprok_fit.py``). The same objective up to
+    float rounding (until session 21 the pseudo features were made once per
+    fit and multiplied in every evaluation). Returns (the objective's
     cross-entropy part at the end, the iterations taken)."""
-    pseudo, targets, valid = translate_features(features, labels, plan)
-    inputs = torch.cat([features, pseudo[valid]])  # one boolean selection, once per fit
-    truth = torch.cat([labels, targets[valid]])
+    slot = translation_slots(labels, plan)
+    rows, k = (slot >= 0).nonzero(as_tuple=True)  # the pseudo features, in translate_features' order
+    old = slot[rows, k]
+    truth = torch.cat([labels, plan.targets[old]])
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.LBFGS(
         params,
@@ -145,10 +166,15 @@ def fit_head(
     if weight != 1.0:
         weights = torch.cat([features.new_ones(len(labels)), features.new_full((len(truth) - len(labels),), weight)])
 
+    def logits() -> torch.Tensor:
+        real = head(features)
+        shifts = torch.nn.functional.linear(plan.shifts, head.weight)  # [P, C]: W (mu_p - mu_n)
+        return torch.cat([real, real[rows] + shifts[old]])
+
     def cross_entropy() -> torch.Tensor:
         if weights is None:
-            return torch.nn.functional.cross_entropy(head(inputs), truth, reduction="sum") / n
-        return (torch.nn.functional.cross_entropy(head(inputs), truth, reduction="none") * weights).sum() / n
+            return torch.nn.functional.cross_entropy(logits(), truth, reduction="sum") / n
+        return (torch.nn.functional.cross_entropy(logits(), truth, reduction="none") * weights).sum() / n
 
     def objective() -> torch.Tensor:
         optimizer.zero_grad()
