@@ -51,7 +51,8 @@ def main(argv=None) -> int:
         features = (torch.randn(args.samples, args.dim, generator=g) + 0.05 * centres[labels]).relu() * 3
         plan = plan_translation(old, centres[old], new, centres[new])
         features, labels = features.to(device), labels.to(device)
-        plan = plan.to(device)
+        # field by field, not Translation.to: older checkouts (the before number) lack it
+        plan = type(plan)(*(t.to(device) for t in (plan.targets, plan.shifts, plan.bases, plan.slots)))
         times, steps = [], []
         for repeat in range(args.repeats + 1):
             head = torch.nn.Linear(args.dim, 10).to(device)
