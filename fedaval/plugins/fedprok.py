@@ -109,9 +109,10 @@ Readings chosen where the paper is open (each pinned by a test in
    classifier whose fitted weights are copied back. PyTorch's L-BFGS reads
    scalars back from the device about 45 times an iteration (two per
    history entry in its two-loop recursion, more in the line search); on an
-   H100 shared by six full-scale runs (session 21) that made a fit of ~700
-   iterations take 12 to 40 s, most of the round. ``fit_device=run`` fits
-   on the run's device.
+   H100 shared by six full-scale runs (session 21) an iteration took some
+   40 to 57 ms, a fit 320 to 1,000 of them: most of the round.
+   ``fit_device=run`` fits on the run's device. The fit does not make the
+   pseudo features (``fit_head``: the head is linear).
 
 Ablations (paper Table 1): ``-o fedprok.translation=false`` (w/o FT: no pseudo
 features) and ``-o fedprok.fusion=false`` (w/o PKF: no prototype is uploaded
