@@ -427,7 +427,7 @@ def test_every_new_task_is_learned_on_digits(tiny_config):
     assert len(new_task) == 5 and min(new_task[1:]) >= 0.4, matrix
     assert min(matrix[-1]) >= 0.5, matrix  # and the old tasks are kept
     assert all("loss/head_fit" in r["losses"] for r in results["rounds"] if r["task"] >= 1)
-    # the fit converged every round, before the cap (measured: 60 to 109 iterations, mean over clients)
+    # the fit converged every round, before the cap (measured in session 21: 58 to 110 iterations, mean over clients)
     steps = [r["losses"]["fedprok/head_fit_steps"] for r in results["rounds"] if r["task"] >= 1]
     assert all(0 < s < FedProKOptions().head_steps for s in steps), steps
 
