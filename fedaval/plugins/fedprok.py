@@ -75,10 +75,10 @@ Readings chosen where the paper is open (each pinned by a test in
    extracted once: the cross-entropy of its real current-task features plus
    that of their translations (reading 3), the run's weight decay as an L2
    term, by full-batch L-BFGS (``fit_head``; at most ``head_steps``
-   iterations, 1000: on the CPU-scale Table 1, seed 42, the fit converged in
-   332 to 371 iterations at task 1, 416 to 493 at task 2, 613 to 744 at task
-   3 and 693 to 781 at task 4 (session 21, round means over the clients), the
-   more old classes the more; stopped at 200, up to 7% of the balanced set's
+   iterations, 1000: on the CPU-scale Table 1, seed 42, a task's first fit
+   converged in 371 iterations at task 1, 490 at task 2, 693 at task 3 and
+   781 at task 4 (session 21, round means over the clients), the more old
+   classes the more; stopped at 200, up to 7% of the balanced set's
    predictions differed from the converged fit's, session 14).
    Why a fit: the local epochs alone leave the classifier far from
    converged, and an under-trained linear head scores like a dot product
