@@ -107,17 +107,18 @@ Readings chosen where the paper is open (each pinned by a test in
    client's last fit (``FITTED`` in its stash), which is close to their
    minimum, since the frozen extractor's features change little within a
    task. Since session 21; a later fit then takes a few iterations instead
-   of hundreds, the same minimum up to the fit's tolerance. ``weight`` scales the pseudo features' cross-entropy
-   in the fit as in the local epochs (until session 20 the fit ignored it,
-   so the option changed nothing a client uploaded once its extractor was
-   frozen). Where: on the CPU by default (``fit_device``), on a copy of the
-   classifier whose fitted weights are copied back. PyTorch's L-BFGS reads
-   scalars back from the device about 45 times an iteration (two per
-   history entry in its two-loop recursion, more in the line search); on an
-   H100 shared by six full-scale runs (session 21) an iteration took some
-   40 to 57 ms, a fit 320 to 1,000 of them: most of the round.
-   ``fit_device=run`` fits on the run's device. The fit does not make the
-   pseudo features (``fit_head``: the head is linear).
+   of hundreds, the same minimum up to the fit's tolerance. ``weight``
+   scales the pseudo features' cross-entropy in the fit as in the local
+   epochs (until session 20 the fit ignored it, so the option changed
+   nothing a client uploaded once its extractor was frozen). Where: on the
+   CPU by default (``fit_device``), on a copy of the classifier whose
+   fitted weights are copied back. PyTorch's L-BFGS reads scalars back from
+   the device about 45 times an iteration (two per history entry in its
+   two-loop recursion, more in the line search); on an H100 shared by six
+   full-scale runs (session 21) an iteration took some 40 to 57 ms, a fit
+   320 to 1,000 of them: most of the round. ``fit_device=run`` fits on the
+   run's device. The fit does not make the pseudo features (``fit_head``:
+   the head is linear).
 
 Ablations (paper Table 1): ``-o fedprok.translation=false`` (w/o FT: no pseudo
 features) and ``-o fedprok.fusion=false`` (w/o PKF: no prototype is uploaded
