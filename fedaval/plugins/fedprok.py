@@ -334,9 +334,7 @@ class FedProK(Plugin):
             self.options.head_steps,
             self.options.weight,
         )
-        with torch.no_grad():
-            for mine, fit in zip(head.parameters(), fitted.parameters(), strict=True):
-                mine.copy_(fit)
+        head.load_state_dict(fitted.state_dict())  # copied into the client's own tensors, across devices
         client.stash[FITTED] = (client.task, fitted.state_dict())
         return {"loss/head_fit": loss, "fedprok/head_fit_steps": float(steps)}
 

@@ -16,9 +16,9 @@ as the project's digest proposes, and it is what is sampled here. The
 summary's own formula is garbled (it names the JSD but writes
 sum_m pi_{m,c} KL(Q~_c || G), G unsubscripted); read literally, KL(Q || G_m)
 over Gaussian Q is minimised by one narrower Gaussian (precision
-sum_m pi_m Sigma_m^-1), a reading not implemented here. Synthetic features are drawn class-balanced
-from the mixtures and the global classifier is retrained on them
-("classifier re-balancing").
+sum_m pi_m Sigma_m^-1), a reading not implemented here. Synthetic features
+are drawn class-balanced from the mixtures and the global classifier is
+retrained on them ("classifier re-balancing").
 """
 
 from __future__ import annotations
