@@ -11,10 +11,10 @@ from helpers import one_line_error
 from fedaval import hookimpl
 from fedaval.api import run_training
 from fedaval.payload import payload_nbytes
-from fedaval.plugins.glfc import GLFC, MEMORY, TEACHER
+from fedaval.plugins.glfc import GLFC, MEMORY, SETS, TEACHER
 from fedaval.plugins.glfc_math import LeNet
 
-OPTIONS = {"inversion_steps": 3, "memory_per_class": 4}
+OPTIONS = {"inversion_steps": 3, "memory": "per-class", "memory_per_class": 4}
 
 
 class Probe:
@@ -145,6 +145,81 @@ def test_the_memory_brings_old_classes_into_task_1_and_the_criterion_compensates
     logits, y = torch.randn(3, run.num_classes), torch.tensor([new, new, old])
     got = plugin.fedaval_client_criterion(run=run, client=client, logits=logits, y=y)
     assert got.item() == pytest.approx(compensated_cross_entropy(logits, y, torch.tensor([False, False, True])).item())
+
+
+class SetsProbe:
+    """After GLFC's task end: each client's exemplar sets, and the sets
+    herding picks for the task's classes with the model as it is then."""
+
+    name = "glfc-sets-probe"
+
+    def __init__(self):
+        self.sets: dict[tuple[int, int], dict] = {}
+        self.herded: dict[tuple[int, int], dict] = {}
+
+    @hookimpl
+    def fedaval_setup(self, run):
+        self.run = run
+
+    @hookimpl(trylast=True)
+    def fedaval_client_task_end(self, run, client, task):
+        from fedaval.plugins.ficarl_math import herd_classes, memory_quotas
+        from fedaval.prototypes import extract_features
+        from fedaval.streams import make_dataset
+
+        indices = client.tasks.indices[task]
+        features, labels = extract_features(client.model, make_dataset(run.data, "train", indices), run.device)
+        quotas = memory_quotas(12, client.seen_classes())
+        self.herded[client.id, task] = herd_classes(features, labels, indices, client.tasks.classes[task], quotas)
+        self.sets[client.id, task] = dict(client.stash[SETS])
+
+
+def test_the_default_memory_is_a_fixed_total_herded_and_cut_as_in_icarl(tmp_path_factory):
+    """memory=total (GLFC's code): K exemplars per client split evenly over
+    its seen classes; the task's classes herded, the old sets cut to their
+    quota keeping the first ones."""
+    from helpers import tiny_run_config
+
+    from fedaval.plugins.ficarl_math import memory_quotas
+
+    probe, sets = Probe(), SetsProbe()
+    config = tiny_run_config(
+        tmp_path_factory.mktemp("total") / "run",
+        plugins=["glfc"],
+        plugin_options={"glfc": {"inversion_steps": 3, "memory_size": 12}},
+        scenario_options={"clients": 2, "tasks": 3},
+        rounds_per_task=1,
+    )
+    run_training(config, extra_plugins=[probe, sets])
+    run = sets.run
+    for client in run.clients:
+        seen: list[int] = []
+        for task in range(3):
+            seen += client.tasks.classes[task]
+            got = sets.sets[client.id, task]
+            quotas = memory_quotas(12, sorted(seen))
+            held_ = {c: int((run.data.train_y[client.tasks.indices[task_of(client, c)]] == c).sum()) for c in seen}
+            assert {c: len(idx) for c, idx in got.items()} == {
+                c: min(q, held_[c]) for c, q in quotas.items() if held_[c]
+            }
+            for c, idx in got.items():
+                assert (run.data.train_y[idx] == c).all() and set(idx) <= set(client.tasks.indices[task_of(client, c)])
+                if c in client.tasks.classes[task]:
+                    assert list(idx) == list(sets.herded[client.id, task][c])  # herded with the model of the task's end
+                else:
+                    assert list(idx) == list(sets.sets[client.id, task - 1][c][: len(idx)])  # cut: the first ones kept
+        memory = client.stash[MEMORY]
+        assert list(memory) == [i for c in sorted(got) for i in got[c]]
+        assert set(client.tasks.classes[0]) | set(client.tasks.classes[1]) <= probe.labels[(client.id, 2)]
+
+
+def task_of(client, c):
+    return next(t for t, classes in enumerate(client.tasks.classes) if c in classes)
+
+
+def test_bad_memory_option_is_a_one_line_error(tmp_path):
+    line = one_line_error(["train", "--plugins", "glfc", "-o", "glfc.memory=all", "--out", str(tmp_path / "r")])
+    assert "glfc.memory" in line and "total|per-class|none" in line
 
 
 def test_bad_teacher_option_is_a_one_line_error(tmp_path):

@@ -168,19 +168,15 @@ class FediCaRL(Plugin):
     @hookimpl
     def fedaval_client_task_end(self, run, client, task):
         """Algorithms 4-5: cut the old sets to their quota, herd the task's classes."""
-        from fedaval.plugins.ficarl_math import herding_order, memory_quotas
+        from fedaval.plugins.ficarl_math import cut_sets, herd_classes, memory_quotas
 
         quotas = memory_quotas(self.options.memory_size, client.seen_classes())
-        memory = client.stash.get(MEMORY) or {}
+        memory = dict(client.stash.get(MEMORY) or {})
         indices = client.tasks.indices[task]
         if len(indices):
             features, labels = self._features(run, client, indices)
-            for c in client.tasks.classes[task]:
-                rows = (labels == c).nonzero().flatten()
-                order = herding_order(features[rows], quotas.get(c, 0)).to(rows.device)
-                memory[c] = indices[rows[order].cpu().numpy()]
-        memory = {c: idx[: quotas.get(c, 0)] for c, idx in memory.items()}
-        client.stash[MEMORY] = {c: idx for c, idx in memory.items() if len(idx)}
+            memory.update(herd_classes(features, labels, indices, client.tasks.classes[task], quotas))
+        client.stash[MEMORY] = cut_sets(memory, quotas)
 
     # --- client: evaluation --------------------------------------------------
     @hookimpl(wrapper=True)

@@ -10,6 +10,7 @@ compares features normalises them first (:func:`normalise`).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +53,28 @@ def memory_quotas(memory_size: int, classes: list[int]) -> dict[int, int]:
         return {}
     lengths = ClassBalancedBuffer(max_size=memory_size).get_group_lengths(len(classes))
     return dict(zip(classes, lengths))
+
+
+def herd_classes(
+    features: torch.Tensor, labels: torch.Tensor, indices: np.ndarray, classes: list[int], quotas: dict[int, int]
+) -> dict[int, np.ndarray]:
+    """iCaRL Algorithm 4 for each class ``c`` in ``classes``: its
+    ``quotas[c]`` exemplars chosen by :func:`herding_order` among the rows of
+    ``features`` labelled ``c``, as ``{c: indices}`` in the order chosen
+    (``indices``: the rows' indices into the training set)."""
+    sets = {}
+    for c in classes:
+        rows = (labels == c).nonzero().flatten()
+        order = herding_order(features[rows], quotas.get(c, 0)).to(rows.device)
+        sets[c] = indices[rows[order].cpu().numpy()]
+    return sets
+
+
+def cut_sets(sets: dict[int, np.ndarray], quotas: dict[int, int]) -> dict[int, np.ndarray]:
+    """iCaRL Algorithm 5 (ReduceExemplarSet): every set cut to its class's
+    quota, keeping the first exemplars in herding order; empty sets dropped."""
+    cut = {c: idx[: quotas.get(c, 0)] for c, idx in sets.items()}
+    return {c: idx for c, idx in cut.items() if len(idx)}
 
 
 def exemplar_means(features: torch.Tensor, labels: torch.Tensor) -> dict[int, torch.Tensor]:
