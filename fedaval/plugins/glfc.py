@@ -29,7 +29,8 @@ What happens:
   the classes, as PFCL's ``memory=per-class``). ``memory=none``: no memory.
   On the CPU-scale FedProK Table 1 (seed 42) the per-class 20 left task 0's
   classes at 1% after task 1 and the final accuracy at FedAvg's level
-  (17.6%); 50 per class kept 22% of task 0.
+  (17.6%); 50 per class kept 22% of task 0, the total of 500 42% (final
+  27.97 ± 1.35% over 3 seeds, against 17.37 ± 0.29% with 20 per class).
 * **Class-semantic relation distillation** (``fedaval_client_loss``, term
   ``glfc_relation``, Eq. 4): ``rd_weight * KL(softmax(old(x)/T) ||
   softmax(model(x)/T))`` over the old classes (every class the federation
