@@ -88,6 +88,12 @@ def test_a_model_without_batchnorm_is_a_one_line_error(tmp_path):
     assert "BatchNorm" in line and "--model cnn" in line
 
 
+def test_the_distillation_weight_is_targets_code_by_default():
+    from fedaval.plugins.target import TargetOptions
+
+    assert TargetOptions().kd_weight == 25.0  # TARGET's code: --kd 25 (reading 3)
+
+
 def test_kd_term_from_task_1_on_only(target_run):
     results, _ = target_run
     for record in results["rounds"]:
