@@ -1,5 +1,5 @@
 """CFeD: continual federated learning based on knowledge distillation (Ma,
-Xie, Ding, Wang, Zhang, IJCAI 2022). The maths is in
+Xie, Wang, Chen, Shou, IJCAI 2022). The maths is in
 :mod:`fedaval.plugins.cfed_math`; this module is the hook glue.
 
 What happens:

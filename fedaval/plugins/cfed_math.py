@@ -1,4 +1,4 @@
-"""CFeD's maths (Ma, Xie, Ding, Wang, Zhang, IJCAI 2022): the distillation
+"""CFeD's maths (Ma, Xie, Wang, Chen, Shou, IJCAI 2022): the distillation
 loss on surrogate data, the ensemble the server distils, the division of
 clients into learners and reviewers, and the conversion of a surrogate
 dataset to the model's input shape. Plain functions on tensors, tested

@@ -29,8 +29,10 @@ reading of the paper and of its official code's defaults):
   that the gradient they induce on the classifier the clients used (the one
   broadcast at the start of the round) matches the aggregated real gradient:
   distance ``sum_c sum_j (1 - cos(g_syn^c_j, g_real^c_j))`` over the rows j
-  of the weight gradient (dataset condensation's distance, bias ignored as
-  in the official code). Classes with no gradient this round keep their
+  of the weight gradient (dataset condensation's distance; the official code,
+  shangxinyi/CReFF-FL, adds the bias gradient's ``1 - cos`` as one more term
+  per class: not here, see docs/methods.md, "The baselines against their
+  authors' code"). Classes with no gradient this round keep their
   features.
 * Classifier re-training: a copy of this round's FedAvg global classifier
   (``retrain_init=global``; ``fresh``: a new linear layer with PyTorch's
@@ -40,10 +42,14 @@ reading of the paper and of its official code's defaults):
   class that has them, the same number per class: a balanced classifier.
 * Which model is which: the re-trained classifier is the global model's
   classifier for evaluation and inference (through ``fedaval_classify`` for
-  the server's model). It is *not* sent back: the next broadcast is the
-  FedAvg model, as in the official code, where the re-trained classifier
-  only serves the global evaluation and clients keep training from the
-  FedAvg parameters. The clients' own models are evaluated as they are.
+  the server's model). It is *not* sent back for training: the next
+  broadcast is the FedAvg model and clients train from it, as in the official
+  code. The official code does use the re-trained classifier once more:
+  clients compute their real gradients, and the server matches the features,
+  on the previous round's re-trained classifier (a fresh layer in round 1),
+  where fedaval uses the FedAvg classifier just broadcast (a known
+  difference, docs/methods.md). The clients' own models are evaluated as
+  they are.
 * Defaults: ``features_per_class=100``, ``match_steps=100``,
   ``feature_lr=0.1``, ``retrain_epochs=300``, ``retrain_lr=0.01``,
   ``retrain_batch=32`` as we recall the paper's settings; small runs may use

@@ -61,7 +61,8 @@ def matching_distance(synthetic: torch.Tensor, real: torch.Tensor, eps: float = 
     (CReFF's matching distance, the one of dataset condensation, Zhao et al. 2021):
     ``sum_j (1 - cos(synthetic_j, real_j))`` over the rows j (one per output
     class) of the weight gradient. Reading: the bias's gradient is not part of
-    the distance, as in the distance the official code uses."""
+    the distance; the official code's distance adds it as one more row (a
+    known difference, docs/methods.md)."""
     dots = (synthetic * real).sum(dim=-1)
     norms = synthetic.norm(dim=-1) * real.norm(dim=-1)
     return (1 - dots / (norms + eps)).sum()

@@ -27,7 +27,9 @@ def prototypes_and_radii(features: torch.Tensor, labels: torch.Tensor) -> Bank:
     ``r_c^2 = sum_i ||f(x_i) - mu_c||^2 / ((n_c - 1) D)``: the mean variance
     per feature dimension, and ``mu_c + r_c * N(0, I)`` has the class's total
     variance. PASS keeps one radius for all classes (the square root of the
-    mean of the per-class ``trace(Cov)/D``); FedSpace sends one per class.
+    mean of the per-class ``trace(Cov)/D``), and so does FedSpace's released
+    code (one per client, computed once); the per-class radius is our
+    reading (docs/methods.md, "The baselines against their authors' code").
     A class with one sample has radius 0."""
     bank: Bank = {}
     dim = features.shape[1]

@@ -43,13 +43,16 @@ Readings and choices where the paper leaves room:
   sparse payloads as sent (indices and values).
 * The server's base starts as its own model's base and every client loads it
   in its first round, as under FedAvg. Sparse-base fusion averages each entry
-  over its senders (official code), so entries nobody sent keep their value.
+  over its senders, weighted by their samples, and entries nobody sent keep
+  the server's value (the official code averages its senders unweighted, and
+  a client keeps its own value where the server's is zero: docs/methods.md).
 * FedWeIT has no global model: the federation's model is the clients'
   (``fedaval_federation_model`` is ``"clients"``).
 * Memory per client: the model's decomposed weights times (3 + ``kb_size``)
   (B, A, the knowledge-base buffer; m is per unit) plus two copies per
   finished task (R^(i) and theta^(i)) for the retroactive term.
-* Defaults: lambda_1 = 1e-3 (the official code's ``lambda_l1``); lambda_2 = 1
+* Defaults: lambda_1 = 1e-3 (the official code's ``lambda_l1``, which it
+  applies to ``A`` only: its mask's L1 weight is 0); lambda_2 = 1
   (the official 100 is for Adam at lr 1e-3; with SGD lambda_2 * lr must stay
   well below 1); fractions 0.5 and 0.3 and ``kb_size`` 3 are ours.
 """
