@@ -83,8 +83,9 @@ def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_results(tmp_path, m
         dict(plugins=["fedprok"]),
         dict(plugins=["gldp"], scenario="sthfl", scenario_options={"clients": 3, "tasks": 2, "classes_per_task": 2}),
         dict(plugins=["fedavg"], clients_per_round=1, scenario_options={"clients": 3, "tasks": 2}),
+        dict(plugins=["glfc"], plugin_options={"glfc": {"inversion_steps": 2, "memory_size": 12}}),
     ],
-    ids=["replay", "lwf", "fedprok", "gldp", "sampled"],
+    ids=["replay", "lwf", "fedprok", "gldp", "sampled", "glfc"],
 )
 def test_resume_from_any_round_matches_the_whole_run(tiny_config, tmp_path, settings):
     from fedaval import checkpoint
