@@ -55,9 +55,10 @@ Readings chosen where the paper is open:
    every earlier stage. Its weight ``kd_weight`` is 25, TARGET's code's
    (``--kd 25``: ``loss_ce + kd * loss_kd``, the same soft cross-entropy
    at T = 2); until session 22 it was 1. On the CPU-scale FedProK Table 1
-   (seed 42) 25 keeps more of the old tasks and learns the new ones less
-   (task 0 at 61% after task 1, task 2 at 9% after its own task); the final
-   accuracy was the same as with 1 in session 6 (24.6 against 24.7%).
+   25 keeps more of the old tasks and learns the new ones less (seed 42:
+   task 0 at 62% after task 1, task 2 at 9% after its own task); the final
+   accuracy is the same within the spread (23.65 ± 2.51% over 3 seeds,
+   against 23.37 ± 3.45% with 1; docs/reproduction.md).
 4. *BatchNorm is required*: ``L_bn`` needs BatchNorm layers; a model without
    any (``--model mlp``, the digits default) is refused with a one-line
    error at set-up: use ``--model cnn`` or ``resnet18``.
