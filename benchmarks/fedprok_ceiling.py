@@ -1,0 +1,140 @@
+"""How far FedProK can go under fedaval's reading of its freezing: the
+extractor of task 0, frozen, with the best linear classifier there is on it.
+
+FedProK freezes the feature extractor "when new data arrives" (Sec. 5.1;
+fedaval's reading 5: from task index 1 on, the fusion of task 0's last
+round). From then on only the linear classifier learns, from real features
+of the current task and translated features of the old ones. So no
+classifier FedProK fits can beat the one fitted on the *real* features of
+every class at once, on that same frozen extractor: a joint linear probe,
+which is what this plugin measures. At task 0's end it takes the global
+model's extractor, extracts the features of the whole training set (every
+class of the dataset, all the clients' data pooled), fits a linear
+classifier on them to convergence (``fedprok_math.fit_head``: full-batch
+L-BFGS, the run's weight decay as the L2 term, at most 1,000 iterations,
+from zero weights) and reports its accuracy on the whole test set, in
+``plugin_metrics.probe`` of that round's rounds.jsonl record. The probe
+draws nothing from any random stream (it reads the tensors in order, with
+no DataLoader), so the run it sits in is the run without it.
+
+Added to a table row as a third-party plugin (the row's FedProK run is
+unchanged; ``-p`` on the command line replaces the config's plugins)::
+
+    PYTHONPATH=benchmarks fedaval train --config configs/repro-fedprok-table1.toml \\
+        -p fedprok -p fedprok_ceiling:LinearProbe --seeds 42 --out runs/ceiling
+    python benchmarks/fedprok_ceiling.py runs/ceiling-s42 ...     # the table
+
+The table: each run's final global accuracy (FedProK's number) beside the
+probe's, with the probe's accuracy per task.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from fedaval import hookimpl
+from fedaval.plugins.fedprok_math import Translation, fit_head
+
+BATCH = 500
+
+
+def features_of(model: torch.nn.Module, images: torch.Tensor, mean, std, device) -> torch.Tensor:
+    """``model.features`` of ``images`` (uint8 or float in [0, 1]), normalised
+    as the run's datasets normalise them, in eval mode, in order."""
+    scale = 255.0 if images.dtype == torch.uint8 else 1.0
+    mean_t = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(images), BATCH):
+            x = (images[i : i + BATCH].to(device).float() / scale - mean_t) / std_t
+            out.append(model.features(x).flatten(1).cpu())
+    return torch.cat(out)
+
+
+def no_translation(width: int) -> Translation:
+    """A plan that translates nothing: ``fit_head`` on it is plain L2-regularised
+    multinomial logistic regression on the real features."""
+    return Translation(
+        targets=torch.zeros(0, dtype=torch.long),
+        shifts=torch.zeros(0, width),
+        bases=torch.tensor([-1]),
+        slots=torch.tensor([[-1]]),
+    )
+
+
+def probe(
+    model: torch.nn.Module, data, tasks: list[list[int]], l2: float, device, max_steps: int = 1000
+) -> dict[str, float]:
+    """The joint linear probe of ``model``'s extractor on ``data``
+    (:class:`fedaval.datasets.ImageData`): test accuracy overall and on each
+    task's classes (``tasks``: the classes new at each task), the fit's
+    iterations."""
+    import copy
+
+    extractor = copy.deepcopy(model).to(device)
+    train = features_of(extractor, data.train_x, data.mean, data.std, device)
+    test = features_of(extractor, data.test_x, data.mean, data.std, device)
+    head = torch.nn.Linear(train.shape[1], data.num_classes)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    _, steps = fit_head(head, train, data.train_y, no_translation(train.shape[1]), l2, max_steps)
+    with torch.no_grad():
+        right = head(test).argmax(1) == data.test_y
+    metrics = {"accuracy": right.float().mean().item(), "steps": float(steps)}
+    for t, classes in enumerate(tasks):
+        metrics[f"task_{t}"] = right[torch.isin(data.test_y, torch.tensor(classes))].float().mean().item()
+    return metrics
+
+
+class LinearProbe:
+    """At task 0's end: the joint linear probe of the global model's extractor
+    (the extractor FedProK freezes), reported in ``plugin_metrics.probe``."""
+
+    name = "probe"
+
+    def __init__(self) -> None:
+        self.result: dict[str, float] | None = None
+
+    @hookimpl
+    def fedaval_server_task_end(self, run, task):
+        if task == 0:
+            tasks = run.federation_new_classes()
+            self.result = probe(run.server.model, run.data, tasks, run.config.weight_decay, run.device)
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        result, self.result = self.result, None
+        return result
+
+
+def summarise(folders: list[str]) -> str:
+    """The table of the runs in ``folders`` (each holding rounds.jsonl and
+    results.json of a run with the probe)."""
+    lines = [
+        "| run | final acc | joint linear probe, task-0 extractor | probe per task | L-BFGS iterations |",
+        "|---|---:|---:|---|---:|",
+    ]
+    for folder in folders:
+        rounds = [json.loads(line) for line in Path(folder, "rounds.jsonl").read_text().splitlines() if line]
+        probed = [r["plugin_metrics"]["probe"] for r in rounds if r.get("plugin_metrics", {}).get("probe")]
+        if not probed:
+            lines.append(f"| {folder} | | no probe recorded | | |")
+            continue
+        p = probed[0]
+        final = json.loads(Path(folder, "results.json").read_text()).get("final", {}).get("accuracy")
+        per_task = [p[k] for k in sorted((k for k in p if k.startswith("task_")), key=lambda k: int(k[5:]))]
+        lines.append(
+            f"| {Path(folder).name} | {'n/a' if final is None else f'{100 * final:.2f}'} | "
+            f"{100 * p['accuracy']:.2f} | {' / '.join(f'{100 * a:.1f}' for a in per_task)} | {int(p['steps'])} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(summarise(sys.argv[1:]))
