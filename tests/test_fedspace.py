@@ -1,8 +1,9 @@
-"""FedSpace: prototype/radius maths and the server's averaging against
-hand-computed values, the bank sent only to out-of-date clients, and a
-fcil-async digits run: uploads counted from their tensors, the pseudo-feature
-loss from the stage after the first, drawn from the client's own random
-stream (reproducible)."""
+"""FedSpace as its authors' code runs it: the maths against hand-computed
+values and a per-class loop of the code's representation loss, the server's
+prototype EMA and weight mixing, and digits runs in which every part takes
+effect (rotations, the masked tempered cross-entropy, the prototype
+augmentation, the representation loss), drawn from the clients' own random
+streams (reproducible)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,23 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fedaval import hookimpl
 from fedaval.api import run_training
-from fedaval.payload import Upload, payload_nbytes
-from fedaval.plugins.fedspace import BANK, COUNTS, PROTOTYPES, RADII, FedSpace
+from fedaval.payload import Upload
+from fedaval.plugins.fedspace import GLOBAL, PROTOTYPES, RADIUS, FedSpace
 from fedaval.plugins.fedspace_math import (
-    fuse_banks,
-    prototypes_and_radii,
-    pseudo_feature_loss,
-    pseudo_features,
+    aggregate_prototypes,
+    aggregate_radius,
+    class_prototypes,
+    client_radius,
+    masked_cross_entropy_sum,
+    noisy_prototypes,
+    output_units,
+    representation_loss,
+    rotated_copies,
+    unit_positions,
 )
 
 T = torch.tensor
@@ -29,127 +37,172 @@ PLUGIN = "fedaval.plugins.fedspace:FedSpace"
 # --- the maths --------------------------------------------------------------
 
 
-def test_prototypes_and_radii_by_hand():
+def test_rotated_copies_turn_the_images_and_label_them_4y_plus_k():
+    x = torch.arange(2 * 1 * 2 * 2, dtype=torch.float32).view(2, 1, 2, 2)
+    xs, ys = rotated_copies(x, T([3, 5]))
+    assert ys.tolist() == [13, 21, 14, 22, 15, 23]  # rotation by rotation: k = 1, 2, 3
+    assert torch.equal(xs[0, 0], T([[1.0, 3.0], [0.0, 2.0]]))  # [[0, 1], [2, 3]] turned 90 degrees
+    assert torch.equal(xs[2, 0], T([[3.0, 2.0], [1.0, 0.0]]))  # 180 degrees
+    assert output_units([2, 0], rotation=True) == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert output_units([2, 0], rotation=False) == [0, 2]
+
+
+def test_masked_tempered_cross_entropy_by_hand():
+    logits = T([[1.0, 50.0, 0.0, 2.0]])
+    units, position = unit_positions([0, 3], 4, "cpu")
+    # over units 0 and 3 only, logits / 0.5 = [2, 4]; target unit 3 is position 1
+    got = masked_cross_entropy_sum(logits, T([3]), units, position, 0.5)
+    assert got.item() == pytest.approx(-4 + math.log(math.exp(2) + math.exp(4)))
+    two = masked_cross_entropy_sum(logits.repeat(2, 1), T([3, 3]), units, position, 0.5)
+    assert two.item() == pytest.approx(2 * got.item())  # a sum, not a mean
+
+
+def test_prototypes_and_the_one_radius_by_hand():
     features = T([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0], [2.0, 2.0], [5.0, 5.0]])
-    bank = prototypes_and_radii(features, T([0, 0, 0, 0, 1]))
-    mu, r, n = bank[0]
-    assert torch.equal(mu, T([1.0, 1.0])) and n == 4
-    # sum of squared distances 4 x 2 = 8; r^2 = 8 / ((4 - 1) * 2) = 4/3 = trace(np.cov) / D
-    assert r.item() == pytest.approx(math.sqrt(4 / 3))
-    assert torch.equal(bank[1][0], T([5.0, 5.0])) and bank[1][1].item() == 0.0 and bank[1][2] == 1
+    labels = T([0, 0, 0, 0, 1])
+    protos = class_prototypes(features, labels, [0, 1, 7])
+    assert torch.equal(protos[0], T([1.0, 1.0])) and torch.equal(protos[1], T([5.0, 5.0]))
+    assert torch.equal(protos[7], T([0.0, 0.0]))  # no sample: zeros, as the code
+    # class 0: trace(np.cov) / D = (8 / 3) / 2 = 4/3; class 1 (one sample) and 7 (none) count 0
+    assert client_radius(features, labels, [0, 1, 7]) == pytest.approx(math.sqrt((4 / 3) / 3))
 
 
-def test_server_averaging_weighted_by_counts_by_hand():
-    a = {0: (T([0.0, 0.0]), T(1.0), 1), 2: (T([1.0, 1.0]), T(0.5), 0)}
-    b = {0: (T([4.0, 0.0]), T(2.0), 3), 1: (T([7.0, 7.0]), T(3.0), 2)}
-    fused = fuse_banks([a, b])
-    # class 0: mu = (1*[0,0] + 3*[4,0]) / 4 = [3, 0]; r = sqrt((1*1 + 3*4) / 4) = sqrt(13)/2
-    assert torch.allclose(fused[0][0], T([3.0, 0.0])) and fused[0][2] == 4
-    assert fused[0][1].item() == pytest.approx(math.sqrt(13) / 2)
-    assert torch.allclose(fused[1][0], T([7.0, 7.0])) and fused[1][1].item() == pytest.approx(3.0)
-    assert 2 not in fused  # no samples behind it
+def test_server_prototypes_weighted_by_samples_with_an_ema_by_hand():
+    a = (1, {0: T([0.0, 2.0]), 2: T([1.0, 1.0])})
+    b = (3, {0: T([4.0, 0.0]), 2: T([0.0, 0.0])})  # a zero prototype (no sample) is left out
+    fused = aggregate_prototypes([a, b], None, 0.1)
+    # class 0: weights 1/4 and 3/4 (sum 1): [3, 0.5]; class 2: only a's, 1/4 renormalised to 1
+    assert torch.allclose(fused[0], T([3.0, 0.5]))
+    assert torch.allclose(fused[2], T([1.0, 1.0]))
+    old = {0: T([10.0, 10.0]), 5: T([9.0, 9.0])}
+    later = aggregate_prototypes([(2, {0: T([0.0, 2.0])})], old, 0.1)
+    assert torch.allclose(later[0], 0.1 * T([0.0, 2.0]) + 0.9 * T([10.0, 10.0]))
+    assert 5 not in later  # nobody uploaded class 5 this round: the code drops it
+    assert aggregate_radius([(1, 2.0), (3, 6.0)]) == pytest.approx(5.0)
 
 
-def test_pseudo_features_are_prototype_plus_radius_times_gaussian():
-    protos, radii = T([[1.0, 0.0, 0.0], [0.0, 10.0, 0.0]]), T([0.5, 0.0])
-    feats, labels = pseudo_features(protos, radii, [3, 8], 6, torch.Generator().manual_seed(0))
+def test_noisy_prototypes_are_prototype_plus_radius_times_gaussian():
+    protos, classes = T([[1.0, 0.0, 0.0], [0.0, 10.0, 0.0]]), T([3, 8])
+    feats, labels = noisy_prototypes(protos, 0.5, classes, 6, torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(0)  # the same draws by hand: classes first, then the noise
     pick = torch.randint(2, (6,), generator=g)
     noise = torch.randn(6, 3, generator=g)
-    assert labels.tolist() == [[3, 8][i] for i in pick.tolist()]
-    assert torch.allclose(feats, protos[pick] + radii[pick].unsqueeze(1) * noise)
-    assert torch.equal(feats[labels == 8], T([[0.0, 10.0, 0.0]]).expand(int((labels == 8).sum()), 3))
-    many, _ = pseudo_features(protos[:1], radii[:1], [3], 20000, torch.Generator().manual_seed(1))
-    assert torch.allclose(many.mean(0), protos[0], atol=0.02)
-    assert torch.allclose(many.std(0), T([0.5, 0.5, 0.5]), atol=0.02)
+    assert labels.tolist() == classes[pick].tolist()
+    assert torch.allclose(feats, protos[pick] + 0.5 * noise)
 
 
-def test_pseudo_feature_loss_is_cross_entropy_by_hand():
-    assert pseudo_feature_loss(T([[0.0, math.log(3.0)]]), T([1])).item() == pytest.approx(math.log(4 / 3))
+def code_representation_loss(features, labels, current, temperature):
+    """The code's loop (LTTM/FedSpace, ``_compute_loss``), written out per class."""
+    feat = F.normalize(features, p=2.0, dim=1)
+    total = 0.0
+    for c in current:
+        nc = int((labels == c).sum())
+        if nc <= 1:
+            continue
+        feat_c, feat_not_c = feat[labels == c], feat[labels != c]
+        pos = feat_c @ feat_c.T / temperature
+        pos[torch.eye(nc, dtype=torch.bool)] *= 0.0
+        neg = feat_c @ feat_not_c.T / temperature
+        loss = pos - torch.logsumexp(torch.cat([pos, neg], dim=1), dim=1).unsqueeze(1)
+        total += -1 * loss[~torch.eye(nc, dtype=torch.bool)].sum() / (nc - 1)
+    return total / len(labels)
 
 
-def test_server_fuses_uploads_and_sends_the_bank_to_out_of_date_clients_only():
+def test_representation_loss_is_the_codes_loop():
+    g = torch.Generator().manual_seed(3)
+    features = torch.randn(12, 5, generator=g)
+    labels = T([0, 1, 0, 2, 1, 0, 3, 3, 2, 4, 0, 1])
+    for current, temperature in (([0, 1], 1.0), ([2, 4], 0.5), ([4], 1.0)):
+        want = code_representation_loss(features, labels, current, temperature)
+        got = representation_loss(features, labels, T(current), temperature)
+        assert got.item() == pytest.approx(float(want), abs=1e-6)
+    assert representation_loss(features, labels, T([4]), 1.0).item() == 0.0  # class 4 has one sample
+
+
+# --- the server --------------------------------------------------------------
+
+
+def test_server_mixes_fedavg_with_the_old_weights():
+    plugin = FedSpace()
+    uploads = [
+        Upload(0, 1, {"weights": {"w": T([4.0]), "n": T(3)}}),
+        Upload(1, 3, {"weights": {"w": T([0.0]), "n": T(3)}}),
+    ]
+    new = plugin.fedaval_server_fuse_weights(run=None, uploads=uploads, global_weights={"w": T([2.0]), "n": T(2)})
+    # FedAvg: 1/4 * 4 + 3/4 * 0 = 1; mixed: 0.5 * 1 + 0.5 * 2 = 1.5; the counter is not mixed
+    assert new["w"].item() == pytest.approx(1.5) and new["n"].item() == 3
+    plugin.options.server_mix = 1.0
+    assert (
+        plugin.fedaval_server_fuse_weights(run=None, uploads=uploads, global_weights={"w": T([2.0])})["w"].item() == 1.0
+    )
+
+
+def test_server_averages_from_the_second_round_and_sends_to_clients_out_of_date():
     plugin = FedSpace()
     client0, client1 = (type("C", (), {"id": k})() for k in (0, 1))
-    assert plugin.fedaval_server_download(run=None, client=client0, download={}) is None  # empty bank
-    uploads = [
-        Upload(0, 10, {PROTOTYPES: {0: T([0.0, 0.0])}, RADII: {0: T(1.0)}, COUNTS: {0: 1}}),
-        Upload(1, 10, {PROTOTYPES: {0: T([4.0, 0.0])}, RADII: {0: T(2.0)}, COUNTS: {0: 3}}),
-        Upload(2, 10, {"weights": {}}),  # a client that finished no task this round
-    ]
-    plugin.fedaval_server_fuse(run=None, uploads=uploads, round=1)
+    ups = [Upload(0, 10, {PROTOTYPES: {0: T([2.0, 0.0])}, RADIUS: T(1.0)})]
+    plugin.fedaval_server_fuse(run=None, uploads=ups, round=1)
+    assert plugin.protos is None and plugin.fedaval_server_download(run=None, client=client0, download={}) is None
+    plugin.fedaval_server_fuse(run=None, uploads=ups, round=2)
     sent = plugin.fedaval_server_download(run=None, client=client0, download={})
-    assert torch.allclose(sent[PROTOTYPES][0], T([3.0, 0.0]))
-    assert sent[RADII][0].item() == pytest.approx(math.sqrt(13) / 2)
+    assert torch.equal(sent[PROTOTYPES][0], T([2.0, 0.0])) and sent[RADIUS].item() == 1.0
     assert plugin.fedaval_server_download(run=None, client=client0, download={}) is None  # up to date
     assert plugin.fedaval_server_download(run=None, client=client1, download={}) is not None
-    # a later upload of class 0 replaces it (newer feature space); class 5 joins
     plugin.fedaval_server_fuse(
-        run=None,
-        uploads=[
-            Upload(
-                1,
-                10,
-                {PROTOTYPES: {0: T([1.0, 1.0]), 5: T([2.0, 2.0])}, RADII: {0: T(0.0), 5: T(1.0)}, COUNTS: {0: 2, 5: 2}},
-            )
-        ],
-        round=2,
+        run=None, uploads=[Upload(1, 10, {PROTOTYPES: {5: T([1.0, 1.0])}, RADIUS: T(3.0)})], round=3
     )
-    sent = plugin.fedaval_server_download(run=None, client=client0, download={})
-    assert sorted(sent[PROTOTYPES]) == [0, 5] and torch.equal(sent[PROTOTYPES][0], T([1.0, 1.0]))
+    assert sorted(plugin.protos) == [5]  # class 0 not uploaded this round: dropped
+    plugin.options.keep_bank = True
+    plugin.fedaval_server_fuse(run=None, uploads=ups, round=4)
+    assert sorted(plugin.protos) == [0, 5]
+    assert torch.allclose(plugin.protos[0], T([2.0, 0.0]))  # not in the previous list: no EMA
 
 
-# --- a fcil-async digits run -------------------------------------------------------
+# --- digits runs -------------------------------------------------------------------
 
 
 class Probe:
-    """Records the uploads' FedSpace entries and, around every FedSpace loss
-    term, the global random state just before it was drawn."""
+    """Records each client's plan at its first minibatch of every round, and
+    replays the prototype augmentation's draw from the state it started at."""
 
     name = "fedspace-probe"
 
     def __init__(self):
-        self.uploads: dict[int, list[Upload]] = {}
+        self.plans: list[tuple] = []
         self.draws: list[tuple] = []
 
     @hookimpl
     def fedaval_setup(self, run):
         self.run = run
 
-    @hookimpl
-    def fedaval_server_fuse(self, run, uploads, round):
-        self.uploads[round] = list(uploads)
-
     @hookimpl(wrapper=True)
     def fedaval_client_loss(self, run, client, batch):
         from fedaval.client import rng_state, set_rng_state
+        from fedaval.plugins.fedspace import PLAN
 
-        state = rng_state(run.device)  # the draw comes from the stream of the features' device
+        state = rng_state(run.device)
+        plan = client.stash[PLAN]
+        self.plans.append((run.round, client.id, plan["old"][0], plan["known"][0], plan["units"].tolist()))
         results = yield
         term = next((r["fedspace_pseudo_ce"] for r in results if r and "fedspace_pseudo_ce" in r), None)
-        if term is not None and len(self.draws) < 3:  # replay the draw from the state it started at
-            bank = client.stash[BANK]
-            old = [c for c in sorted(bank) if c not in client.tasks.classes[client.task]]
+        if term is not None and len(self.draws) < 3:
             outside = rng_state(run.device)
             set_rng_state(state, run.device)
-            pseudo, labels = pseudo_features(
-                torch.stack([bank[c][0] for c in old]).to(batch.features),
-                torch.stack([bank[c][1] for c in old]).to(batch.features),
-                old,
-                len(batch.y),
-            )
+            classes, rows = plan["old"]
+            feats, labels = noisy_prototypes(rows.to(batch.features), plan["radius"], classes, len(batch.y))
             set_rng_state(outside, run.device)
-            expected = pseudo_feature_loss(client.model.classifier(pseudo), labels)
+            logits = client.model.classifier(feats) / 0.1
+            expected = 1e-2 * F.cross_entropy(logits, 4 * labels)
             self.draws.append((client.id, term.item(), expected.item()))
         return results
 
 
-def fcil_async_config(tiny_config, **overrides):
+def async_config(tiny_config, **overrides):
     return tiny_config(
         plugins=[PLUGIN],
         scenario="fcil-async",
         scenario_options={"clients": 2, "tasks": 3},
-        rounds_per_task=1,
+        rounds_per_task=2,
         **overrides,
     )
 
@@ -164,74 +217,108 @@ def fedspace_run(tmp_path_factory):
         plugins=[PLUGIN],
         scenario="fcil-async",
         scenario_options={"clients": 2, "tasks": 3},
-        rounds_per_task=1,
+        rounds_per_task=2,
     )
     return run_training(config, extra_plugins=[probe]), probe
 
 
-def test_uploads_are_each_task_classes_and_counted_in_bytes(fedspace_run):
+def test_the_model_has_four_units_a_class_and_evaluation_reads_the_unturned_ones(fedspace_run):
     results, probe = fedspace_run
     run = probe.run
-    for record in results["rounds"]:
-        uploads = probe.uploads[record["round"]]
-        assert record["bytes_up"] == sum(u.nbytes for u in uploads)
-        for u in uploads:
-            client = run.clients[u.client_id]
-            classes = client.tasks.classes[record["task"]]
-            assert sorted(u.get(PROTOTYPES)) == sorted(u.get(RADII)) == sorted(classes)
-            counts = u.get(COUNTS)
-            y = run.data.train_y[torch.as_tensor(client.tasks.indices[record["task"]])]
-            assert counts == {c: int((y == c).sum()) for c in classes}
-            entries = {k: u.get(k) for k in (PROTOTYPES, RADII, COUNTS)}
-            # 8 (key) + 4 * D per prototype, 8 + 4 per 0-d radius, 8 + 8 per count, 3 x 8 for the entry names
-            dim = next(iter(u.get(PROTOTYPES).values())).numel()
-            assert payload_nbytes(entries) == 3 * 8 + len(classes) * (8 + 4 * dim + 8 + 4 + 16)
-    assert results["rounds"][-1]["plugin_metrics"]["fedspace"]["fedspace_bank_classes"] == len(
-        {c for client in run.clients for t in client.tasks.classes for c in t}
-    )
+    model = run.server.model
+    assert model.classifier.out_features == 4 * run.num_classes
+    features = torch.randn(3, model.feature_dim)
+    scores = run.hook.fedaval_classify(run=run, client=None, model=model, features=features, training=False)
+    full = model.classifier(features)
+    met = sorted({c for classes in run.federation_task_classes() for c in classes})
+    assert scores.shape == (3, run.num_classes)
+    assert torch.equal(scores[:, met], full[:, ::4][:, met])
 
 
-def test_bank_reaches_clients_only_when_it_changed(fedspace_run):
+def test_every_term_takes_effect_and_the_mask_is_the_seen_classes(fedspace_run):
     results, probe = fedspace_run
-    bank_bytes = [r["bytes_down"] for r in results["rounds"]]
-    assert bank_bytes[0] < bank_bytes[1]  # round 2 carries the bank fused in round 1
-    plugin = probe.run.plugins.objects["fedspace"]
-    assert plugin.sent == {0: plugin.version - 1, 1: plugin.version - 1}  # last round's fusion not sent yet
-
-
-def test_pseudo_feature_loss_from_the_second_stage_drawn_from_the_client_stream(fedspace_run, tiny_config):
-    results, probe = fedspace_run
-    for record in results["rounds"]:
-        term = record["losses"].get("loss/fedspace_pseudo_ce")
-        assert (term is None) if record["task"] == 0 else (term > 0)
+    run = probe.run
+    losses = [r["losses"] for r in results["rounds"]]
+    assert all(term["loss/fedspace_rotation_ce"] > 0 for term in losses)
+    assert "loss/fedspace_repr" not in losses[0] and all(term["loss/fedspace_repr"] > 0 for term in losses[1:])
+    assert any(term.get("loss/fedspace_pseudo_ce", 0) > 0 for term in losses)  # other clients' classes
+    for round_, client_id, _, _, units in probe.plans:
+        client = run.clients[client_id]
+        task = run.round_info(round_).task
+        seen = {c for t in range(task + 1) for c in client.tasks.classes[t]}
+        assert units == sorted(4 * c + k for c in seen for k in range(4))
+    # the augmented classes are never the client's current ones
+    for round_, client_id, old, _, _ in probe.plans:
+        if old is not None:
+            current = set(run.clients[client_id].tasks.classes[run.round_info(round_).task])
+            assert not current & set(old.tolist())
     assert probe.draws and all(got == pytest.approx(want, rel=1e-5) for _, got, want in probe.draws)
-    again = run_training(fcil_async_config(tiny_config, out=probe.run.out_dir.parent / "again"))
+
+
+def test_a_run_is_reproducible(fedspace_run, tiny_config):
+    results, probe = fedspace_run
+    again = run_training(async_config(tiny_config, out=probe.run.out_dir.parent / "again"))
     assert [r["losses"] for r in again["rounds"]] == [r["losses"] for r in results["rounds"]]
 
 
-def test_weight_zero_switches_the_augmentation_off(tiny_config):
-    results = run_training(fcil_async_config(tiny_config, plugin_options={"fedspace": {"weight": 0.0}}))
-    assert not any("loss/fedspace_pseudo_ce" in r["losses"] for r in results["rounds"])
+def test_in_a_synchronous_scenario_old_classes_are_augmented_only_with_keep_bank(tiny_config, tmp_path):
+    """The code's global list holds the round's uploaded classes only: with every
+    client on the same task, the augmentation has a class to draw only in a
+    task's first round (the list still of the last task's classes)."""
+
+    def pseudo_rounds(**options):
+        config = tiny_config(
+            plugins=[PLUGIN],
+            scenario="fcil-sync",
+            scenario_options={"clients": 2, "tasks": 3},
+            rounds_per_task=3,
+            plugin_options={"fedspace": options},
+            out=tmp_path / f"keep-{bool(options)}",
+        )
+        return [r["round"] for r in run_training(config)["rounds"] if "loss/fedspace_pseudo_ce" in r["losses"]]
+
+    assert pseudo_rounds() == [4, 7]
+    assert pseudo_rounds(keep_bank="true") == [4, 5, 6, 7, 8, 9]
+
+
+def test_switching_parts_off(tiny_config):
+    config = async_config(
+        tiny_config,
+        plugin_options={"fedspace": {"rotation": "false", "weight": 0.0, "repr_weight": 0.0, "server_mix": 1.0}},
+    )
+    results = run_training(config)
+    assert all(set(r["losses"]) == {"loss/classification", "loss/total"} for r in results["rounds"])
+
+
+class Received:
+    name = "fedspace-received"
+
+    def __init__(self):
+        self.global_seen = False
+
+    @hookimpl(trylast=True)
+    def fedaval_client_receive(self, run, client, download):
+        self.global_seen = self.global_seen or GLOBAL in client.stash
 
 
 @pytest.mark.parametrize(
     "scenario,options",
     [
         ("fcl-random", {"clients": 3, "min_tasks": 2, "max_tasks": 3}),
-        ("fcil-sync", {"clients": 2, "tasks": 2}),
         ("sthfl", {"clients": 3, "tasks": 2}),
     ],
 )
 def test_runs_in_the_other_scenarios(tiny_config, scenario, options):
+    received = Received()
     results = run_training(
-        tiny_config(plugins=[PLUGIN], scenario=scenario, scenario_options=options, rounds_per_task=1)
+        tiny_config(plugins=[PLUGIN], scenario=scenario, scenario_options=options, rounds_per_task=2),
+        extra_plugins=[received],
     )
-    assert results["status"]["state"] == "complete"
-    assert any("loss/fedspace_pseudo_ce" in r["losses"] for r in results["rounds"] if r["task"] > 0)
+    assert results["status"]["state"] == "complete" and received.global_seen
 
 
-def test_bad_weight_is_a_one_line_error(tmp_path):
+def test_bad_option_is_a_one_line_error(tmp_path):
     from helpers import one_line_error
 
-    line = one_line_error(["train", "--plugins", PLUGIN, "-o", "fedspace.weight=-1", "--out", str(tmp_path / "r")])
-    assert "fedspace.weight" in line
+    line = one_line_error(["train", "--plugins", PLUGIN, "-o", "fedspace.server_mix=2", "--out", str(tmp_path / "r")])
+    assert "fedspace.server_mix" in line

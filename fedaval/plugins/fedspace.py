@@ -1,72 +1,89 @@
 """FedSpace (Shenaj, Toldo, Rigon, Zanuttigh, "Asynchronous Federated
-Continual Learning", CVPR Workshops 2023). The maths is in
-:mod:`fedaval.plugins.fedspace_math`; this module is the hook glue.
+Continual Learning", CVPR Workshops 2023), as its authors' released code runs
+it (LTTM/FedSpace, ``configs/*/fedspace.txt``; read, not copied). The maths
+is in :mod:`fedaval.plugins.fedspace_math`; this module is the hook glue.
 
 FedSpace's setting is asynchronous FCL: every client learns its own sequence
-of tasks, in its own order and at its own pace, so at any round the clients
-are on different classes. Its answer is a shared prototype space: clients send
-the server a prototype and a radius per class they have learned, the server
-averages them, and every client keeps the classes known to the federation
-(its own earlier ones and other clients') alive in its classifier by training
-it on noisy samples drawn around their prototypes (PASS's prototype
-augmentation). Model weights are FedAvg-ed (the default fusion).
+of tasks, so at any round the clients are on different classes. Clients
+send the server prototypes of the classes they are learning; the server
+averages them into a shared prototype space, and each client trains its
+classifier also on noisy samples drawn around the prototypes of classes it
+is not learning now (PASS's prototype augmentation), with PASS's rotation
+self-supervision and a contrastive representation loss. Until session 23
+fedaval's FedSpace was read from the paper and PASS alone (per-class radii,
+prototypes once per task into a growing bank, weight 1, no temperature, no
+rotations, plain FedAvg); session 22 set it against the code
+(docs/methods.md, "The baselines against their authors' code") and this is
+the code's algorithm, each part an option:
 
-What happens:
+* **Model and rotations** (``rotation``, default on). The classifier has
+  ``4 C`` outputs: unit ``4 c + k`` is class ``c`` turned by ``k`` times 90
+  degrees. In local training every image also goes through the model
+  turned by 90, 180 and 270 degrees, labelled ``4 y + k`` (the code stacks
+  the four into one minibatch of ``4 B``; here the ``3 B`` turned copies
+  are a second forward pass, ``fedspace_rotation_ce``, so BatchNorm sees
+  the ``B`` originals and the ``3 B`` copies as two minibatches). The class
+  scores, in evaluation, are the unturned units ``4 c``.
+* **Masked, tempered cross-entropy** (``mask``, ``temperature``). The
+  cross-entropy of the real samples is over the units of the classes the
+  client has seen (its tasks so far, all rotations), logits divided by
+  ``temperature`` (0.1). The mean is over the ``4 B`` samples, as in the
+  code: the core's ``classification`` term is the ``B`` originals' share
+  (a quarter of their mean), ``fedspace_rotation_ce`` the rest. In
+  evaluation the scores of classes the federation has not met yet (classes
+  of later stages) are masked out, as the code's tests mask them.
+* **Prototypes** (client, ``fedaval_client_upload``): every round, after
+  local training, with the model in eval mode, on the current task's
+  training data (the code's loader applies its training augmentation; here
+  the unaugmented images): the mean feature of each class of the client's
+  current task (zeros for a class it has no sample of), and one radius per
+  client, ``sqrt(mean_c trace(Cov_c) / D)`` over those classes, computed at
+  the client's first upload only and kept for the whole run (the code
+  computes it while its local prototype list is empty). The client merges
+  them into its own list (its *local* prototypes).
+* **Server** (``fedaval_server_fuse``): from the second round on (the code's
+  ``aggr_proto_after_round=1``), the round's prototypes, per class
+  uploaded, weighted by the clients' sample counts (zero prototypes left
+  out), then an EMA with the previous global value of the class
+  (``proto_ema`` of the new, 0.1). Classes nobody uploaded this round leave
+  the global list (the code rebuilds it from the round's uploads each
+  round); ``keep_bank`` keeps them instead. The radius is the clients'
+  radii weighted by their counts. Both are sent to every client whose copy
+  is older.
+* **Weights** (``fedaval_server_fuse_weights``): ``server_mix`` (0.5) times
+  FedAvg's sample-weighted mean plus the rest times the previous global
+  weights (the code's ``aggregate_with_global_model``, ``global_weight``
+  0.5); floating-point entries only (a BatchNorm counter takes the mean).
+* **Prototype augmentation** (``weight``, 1e-2, ``fedspace_pseudo_ce``): per
+  minibatch ``B`` features ``mu_c + r e``, ``e ~ N(0, I)``, ``c`` drawn
+  uniformly among the non-zero prototypes of the client's list (the global
+  one once received, its local one before) that are not of its current
+  task, labelled ``4 c``, the classifier's logits over all its units divided
+  by ``temperature``, cross-entropy.
+* **Representation loss** (``repr_weight``, 1e-2, ``fedspace_repr``): a
+  supervised contrastive loss (temperature ``repr_temperature``, 1) on the
+  minibatch's unturned features and ``B`` noisy prototypes of every class
+  of the list, the anchors being the samples of the current task's classes
+  (:func:`~fedaval.plugins.fedspace_math.representation_loss`).
 
-* **Upload** (client, ``fedaval_client_task_end`` + ``fedaval_client_upload``):
-  when a client finishes a task it computes, with its model in eval mode on
-  the task's training samples, each class's prototype (mean feature), radius
-  and sample count (:func:`~fedaval.plugins.fedspace_math.prototypes_and_radii`)
-  and uploads them with that round's weights (``fedspace_prototypes``,
-  ``fedspace_radii``, ``fedspace_counts``: bytes counted from these tensors).
-* **Server** (``fedaval_server_fuse``): the uploads of a round are averaged
-  per class, weighted by counts (:func:`~fedaval.plugins.fedspace_math.fuse_banks`);
-  the result replaces the bank's entry of each uploaded class (newer
-  prototypes live in the newer feature space); other classes keep theirs.
-* **Download** (``fedaval_server_download``): a client whose copy of the bank
-  is out of date gets the whole bank (prototypes and radii) with its next
-  download; a client whose copy is current gets nothing more, so the bytes
-  down count the bank once per change per client.
-* **Client loss** (``fedaval_client_loss``): in every minibatch, ``B`` pseudo
-  features (``B`` = the minibatch size, as PASS) ``mu_c + r_c * N(0, I)`` of
-  classes drawn uniformly from the bank's classes that are not in the client's
-  current task (:func:`~fedaval.plugins.fedspace_math.pseudo_features`), fed
-  to the classifier with cross-entropy, times ``weight``:
-  ``fedspace_pseudo_ce``. The noise comes from the client's own random
-  stream (a run is reproducible, and does not depend on the clients' order).
+The noise comes from the client's own random stream (a run is
+reproducible and does not depend on the clients' order). The run's
+optimizer is used (the code trains with Adam at 1e-3, weight decay 2e-4;
+FedProK's comparison gives every method the same optimizer); the fractal
+pre-training of the code is left out (as released, it never steps its
+optimizer).
 
-Readings chosen (the paper is a workshop paper with few details; what we
-read, from the paper's Section 4 and PASS, each pinned by a test in
-``tests/test_fedspace.py``):
+**What this means in a synchronous scenario** (FedProK's Table 1,
+``fcil-sync``): every client is on the same task, so from the third round
+on the global list holds the current task's classes only, and the
+prototype augmentation has no class to draw: FedSpace is then FedAvg with
+the rotations, the masked cross-entropy at temperature 0.1, the
+representation loss and the server's mixing. ``keep_bank`` is the reading
+under which old classes keep being augmented. In the asynchronous scenarios
+(``fcil-async``, ``fcl-random``) other clients' current classes are in the
+list, as the code intends.
 
-1. *Radius*: one per class, ``r_c = sqrt(trace(Cov_c) / D)`` (PASS's
-   formula, applied per class instead of PASS's single radius averaged over
-   classes). The server's radius of a class is the square root of the
-   count-weighted mean of the clients' ``r^2`` (their variances; the spread
-   between the clients' prototypes is not added).
-2. *When prototypes go up*: once per task, at the client's last round of it
-   (PASS saves prototypes after each task), not every round.
-3. *Which classes are augmented*: every class in the bank the client has,
-   except its current task's classes: its own earlier classes and classes only
-   other clients have learned.
-4. *Pseudo-feature loss*: a plain cross-entropy over the pseudo features on
-   the classifier's logits (PASS divides the logits by a temperature of 0.1
-   and weights the term by 10; our ``weight`` defaults to 1 and there is no
-   temperature, as the real samples' cross-entropy has none here).
-5. *Left out*: the fractal pre-training of the feature extractor (optional in
-   the paper; a run starts from the model's random initialisation), FedSpace's
-   representation loss and any feature distillation (PASS's KD on features):
-   only the prototype exchange and the prototype augmentation are here.
-6. *Asynchrony*: fedaval's scenarios give each client its own task order
-   (``fcil-async``: own class order per client; ``fcl-random``: own sequence of
-   own length, so clients finish at different stages) and, with
-   ``--clients-per-round`` below the number of clients, each client's first
-   and last round of a task are the rounds it is sampled in. Task boundaries
-   still fall on the federation's stages; the method itself assumes nothing
-   about them (the bank changes whenever any client finishes a task).
-
-Every scenario runs (sthfl, fcil-sync, fcil-async, fcl-random); fcil-async
-and fcl-random are the asynchronous ones FedSpace was made for.
+Every scenario runs (sthfl, fcil-sync, fcil-async, fcl-random).
 """
 
 from __future__ import annotations
@@ -75,117 +92,250 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedaval import hookimpl
-from fedaval.options import non_negative, option
+from fedaval.options import non_negative, option, positive, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
-BANK = StashKey[dict]("fedspace.bank")  # the bank as last received: {class: (prototype, radius)}
-PENDING = StashKey[dict]("fedspace.pending")  # this task's {class: (prototype, radius, count)}, to upload
+LOCAL = StashKey[dict]("fedspace.local")  # the client's own list: {"protos": {class: mean}, "radius": float | None}
+GLOBAL = StashKey[tuple]("fedspace.global")  # the server's list as last received: ({class: mean}, radius)
+PLAN = StashKey[dict]("fedspace.plan")  # this round's tensors (classes, prototypes, output units)
 
-PROTOTYPES, RADII, COUNTS = "fedspace_prototypes", "fedspace_radii", "fedspace_counts"
-PSEUDO_CE = "fedspace_pseudo_ce"
+PROTOTYPES, RADIUS = "fedspace_prototypes", "fedspace_radius"
+ROTATION_CE, PSEUDO_CE, REPR = "fedspace_rotation_ce", "fedspace_pseudo_ce", "fedspace_repr"
+FIRST_SERVER_ROUND = 2  # the code's aggr_proto_after_round=1 (0-based round index)
 
 
 class FedSpace(Plugin):
-    """Client: prototypes and radii at each task's end, pseudo features of the
-    bank's other classes in every minibatch. Server: count-weighted prototype
-    averaging, the bank sent to clients whose copy is out of date.
+    """Client: rotations, masked tempered cross-entropy, prototype
+    augmentation, representation loss; prototypes and a radius every round.
+    Server: prototypes averaged with an EMA, weights mixed with the previous
+    global ones.
 
-    Server state: ``bank`` ({class: (prototype, radius, count)}),
-    ``version`` (bumped when the bank changes) and ``sent`` (client id -> the
-    version it last received)."""
+    Server state: ``protos`` ({class: prototype}), ``radius``, ``version``
+    (bumped when they change) and ``sent`` (client id -> the version it last
+    received)."""
 
     name = "fedspace"
-    description = "FedSpace: prototype + radius uploads, server averaging, pseudo features of old classes"
-    loss_terms = (PSEUDO_CE,)
+    description = "FedSpace (its released code): rotations, prototype augmentation, representation loss, EMA prototypes"
+    loss_terms = (ROTATION_CE, PSEUDO_CE, REPR)
 
     @dataclass
     class Options:
-        weight: float = option(1.0, "weight of the pseudo-feature cross-entropy (0: no augmentation)", non_negative)
+        weight: float = option(1e-2, "weight of the prototype augmentation (the code's lambda_proto_aug)", non_negative)
+        repr_weight: float = option(1e-2, "weight of the representation loss (lambda_repr_loss)", non_negative)
+        temperature: float = option(0.1, "logits divided by this in both cross-entropies (temp)", positive)
+        repr_temperature: float = option(1.0, "temperature of the representation loss (repr_loss_temp)", positive)
+        rotation: bool = option(True, "rotation self-supervision: 4 C outputs, each image also turned 3 times")
+        mask: bool = option(True, "cross-entropy over the units of the client's seen classes only (mask_model)")
+        server_mix: float = option(
+            0.5, "new global weights: this times FedAvg's mean + the rest times the old (global_weight)", unit_interval
+        )
+        proto_ema: float = option(
+            0.1, "global prototype: this times the round's mean + the rest times the old", unit_interval
+        )
+        keep_bank: bool = option(
+            False, "keep classes nobody uploaded this round in the global list (the code drops them)"
+        )
 
     def __init__(self, options: Any = None):
         super().__init__(options)
-        self.bank: dict[int, tuple[Any, Any, int]] = {}
+        self.protos: dict[int, Any] | None = None
+        self.radius = 0.0
         self.version = 0
         self.sent: dict[int, int] = {}
 
-    # --- client --------------------------------------------------------------
+    # --- model and evaluation ---------------------------------------------------
+    @hookimpl
+    def fedaval_make_model(self, run, client_id):
+        from fedaval.models import build_model
+        from fedaval.plugins.fedspace_math import ROTATIONS
+
+        if not self.options.rotation:
+            return None
+        return build_model(run.config.model, run.data.input_shape, ROTATIONS * run.num_classes, run.models)
+
+    @hookimpl
+    def fedaval_classify(self, run, client, model, features, training):
+        """Evaluation: the unturned units, classes the federation has not met masked out."""
+        import torch
+
+        from fedaval.plugins.fedspace_math import ROTATIONS
+
+        if training:
+            return None
+        logits = model.classifier(features)
+        if self.options.rotation:
+            logits = logits[:, ::ROTATIONS]
+        met = torch.zeros(logits.shape[1], dtype=torch.bool)
+        for classes in run.federation_task_classes()[: run.task + 1]:
+            met[classes] = True
+        return logits.masked_fill(~met.to(logits.device), torch.finfo(logits.dtype).min)
+
+    # --- client ------------------------------------------------------------------
     @hookimpl
     def fedaval_client_receive(self, run, client, download):
         if PROTOTYPES in download:
-            radii = download[RADII]
-            client.stash[BANK] = {
-                int(c): (mu.to(run.device), radii[c].to(run.device)) for c, mu in download[PROTOTYPES].items()
-            }
+            client.stash[GLOBAL] = (dict(download[PROTOTYPES]), float(download[RADIUS]))
+
+    @hookimpl
+    def fedaval_client_epoch_start(self, run, client, epoch):
+        if epoch == 0:
+            client.stash[PLAN] = self.plan(run, client)
+
+    def plan(self, run, client) -> dict[str, Any]:
+        """The round's tensors: the output units of the cross-entropy, the
+        classes and prototypes to augment (not the current task's) and those of
+        the representation loss (all), the radius."""
+        import torch
+
+        from fedaval.plugins.fedspace_math import ROTATIONS, output_units, unit_positions
+
+        current = list(client.tasks.classes[client.task])
+        width = (ROTATIONS if self.options.rotation else 1) * run.num_classes
+        if self.options.mask:
+            units = output_units(sorted(set(client.seen_classes()) | set(current)), self.options.rotation)
+        else:
+            units = list(range(width))
+        units_t, position = unit_positions(units, width, run.device)
+        received = client.stash.get(GLOBAL)
+        local = client.stash.get(LOCAL) or {"protos": {}, "radius": None}
+        protos, radius = received if received and received[0] else (local["protos"], local["radius"] or 0.0)
+        known = [c for c in sorted(protos) if bool(protos[c].any())]
+        old = [c for c in known if c not in current]
+
+        def stack(classes):
+            if not classes:
+                return None, None
+            rows = torch.stack([protos[c] for c in classes]).to(run.device)
+            return torch.tensor(classes, dtype=torch.long, device=run.device), rows
+
+        return {
+            "units": units_t,
+            "position": position,
+            "current": torch.tensor(current, dtype=torch.long, device=run.device),
+            "old": stack(old),
+            "known": stack(known),
+            "radius": float(radius),
+        }
+
+    @hookimpl
+    def fedaval_client_criterion(self, run, client, logits, y):
+        """The originals' share of the masked, tempered cross-entropy (a
+        quarter of their mean with rotations: the code's mean is over 4 B)."""
+        from fedaval.plugins.fedspace_math import ROTATIONS, masked_cross_entropy_sum
+
+        plan = client.stash[PLAN]
+        scale = ROTATIONS if self.options.rotation else 1
+        targets = scale * y
+        return masked_cross_entropy_sum(logits, targets, plan["units"], plan["position"], self.options.temperature) / (
+            scale * len(y)
+        )
 
     @hookimpl
     def fedaval_client_loss(self, run, client, batch):
         import torch
+        import torch.nn.functional as F
 
-        from fedaval.plugins.fedspace_math import pseudo_feature_loss, pseudo_features
+        from fedaval.plugins.fedspace_math import (
+            ROTATIONS,
+            masked_cross_entropy_sum,
+            noisy_prototypes,
+            representation_loss,
+            rotated_copies,
+        )
 
-        bank = client.stash.get(BANK)
-        if not bank or self.options.weight == 0:
-            return None
-        current = set(client.tasks.classes[client.task])
-        old = [c for c in sorted(bank) if c not in current]
-        if not old:
-            return None
-        protos = torch.stack([bank[c][0] for c in old]).to(batch.features)
-        radii = torch.stack([bank[c][1] for c in old]).to(batch.features)
-        pseudo, labels = pseudo_features(protos, radii, old, len(batch.y))
-        logits = client.model.classifier(pseudo)
-        return {PSEUDO_CE: self.options.weight * pseudo_feature_loss(logits, labels)}
-
-    @hookimpl
-    def fedaval_client_task_end(self, run, client, task):
-        """Reading 2: the task's prototypes and radii, with the model as the task ends."""
-        from fedaval.plugins.fedspace_math import prototypes_and_radii
-        from fedaval.prototypes import extract_features
-
-        exp = client.train_stream[task]
-        if exp is None:
-            return
-        features, labels = extract_features(client.model, exp.dataset, run.device, run=run)
-        client.stash[PENDING] = prototypes_and_radii(features, labels)
+        plan = client.stash[PLAN]
+        model, size, opts = client.model, len(batch.y), self.options
+        terms = {}
+        if opts.rotation:
+            x, y = rotated_copies(batch.x, batch.y)
+            logits = model.classifier(model.features(x))
+            ce = masked_cross_entropy_sum(logits, y, plan["units"], plan["position"], opts.temperature)
+            terms[ROTATION_CE] = ce / (ROTATIONS * size)
+        radius = plan["radius"]
+        if opts.weight and plan["old"][0] is not None and radius:
+            classes, rows = plan["old"]
+            feats, labels = noisy_prototypes(rows.to(batch.features), radius, classes, size)
+            targets = labels * (ROTATIONS if opts.rotation else 1)
+            terms[PSEUDO_CE] = opts.weight * F.cross_entropy(model.classifier(feats) / opts.temperature, targets)
+        if opts.repr_weight and plan["known"][0] is not None and radius:
+            classes, rows = plan["known"]
+            feats, labels = noisy_prototypes(rows.to(batch.features), radius, classes, size)
+            both = torch.cat([batch.features.flatten(1), feats])
+            loss = representation_loss(both, torch.cat([batch.y, labels]), plan["current"], opts.repr_temperature)
+            terms[REPR] = opts.repr_weight * loss
+        return terms or None
 
     @hookimpl
     def fedaval_client_upload(self, run, client):
-        pending = client.stash.pop(PENDING, None)
-        if not pending:
-            return None
-        return {
-            PROTOTYPES: {c: mu.detach().cpu() for c, (mu, _, _) in pending.items()},
-            RADII: {c: r.detach().cpu() for c, (_, r, _) in pending.items()},
-            COUNTS: {c: n for c, (_, _, n) in pending.items()},
-        }
+        """After local training: the current task's prototypes, and the
+        client's radius (computed once, at its first upload)."""
+        import torch
 
-    # --- server --------------------------------------------------------------
+        from fedaval.plugins.fedspace_math import class_prototypes, client_radius
+        from fedaval.prototypes import extract_features
+
+        client.stash.pop(PLAN, None)
+        exp = client.train_stream[client.task]
+        if exp is None:
+            return None
+        features, labels = extract_features(client.model, exp.dataset, run.device, run=run)
+        features, labels = features.flatten(1).cpu(), labels.cpu()
+        current = list(client.tasks.classes[client.task])
+        protos = class_prototypes(features, labels, current)
+        local = client.stash.get(LOCAL) or {"protos": {}, "radius": None}
+        if local["radius"] is None:
+            local["radius"] = client_radius(features, labels, current)
+        local["protos"] = {**local["protos"], **protos}
+        client.stash[LOCAL] = local
+        return {PROTOTYPES: protos, RADIUS: torch.tensor(local["radius"])}
+
+    # --- server ------------------------------------------------------------------
     @hookimpl
     def fedaval_server_fuse(self, run, uploads, round):
-        from fedaval.plugins.fedspace_math import fuse_banks
+        from fedaval.plugins.fedspace_math import aggregate_prototypes, aggregate_radius
 
-        banks = [
-            {c: (mu, u.get(RADII)[c], int(u.get(COUNTS)[c])) for c, mu in u.get(PROTOTYPES).items()}
-            for u in uploads
-            if u.get(PROTOTYPES)
-        ]
-        if banks:
-            self.bank.update(fuse_banks(banks))
-            self.version += 1
+        sent = [u for u in uploads if u.get(PROTOTYPES) is not None]
+        if round < FIRST_SERVER_ROUND or not sent:
+            return None
+        fused = aggregate_prototypes(
+            [(u.num_samples, u.get(PROTOTYPES)) for u in sent], self.protos, self.options.proto_ema
+        )
+        if self.options.keep_bank and self.protos:
+            fused = {**self.protos, **fused}
+        self.protos = fused
+        self.radius = aggregate_radius([(u.num_samples, float(u.get(RADIUS))) for u in sent])
+        self.version += 1
         return None
 
     @hookimpl
-    def fedaval_server_download(self, run, client, download):
-        """The bank, to a client whose copy is older than the bank."""
-        if not self.bank or self.sent.get(client.id) == self.version:
+    def fedaval_server_fuse_weights(self, run, uploads, global_weights):
+        """The code's aggregate_with_global_model: server_mix x FedAvg's mean + the rest x the old weights."""
+        from fedaval.plugins.fedavg import weighted_average
+
+        with_weights = [u for u in uploads if u.get("weights")]
+        if not with_weights:
             return None
+        mean = weighted_average([u.get("weights") for u in with_weights], [u.num_samples for u in with_weights])
+        mix = self.options.server_mix
+        if mix == 1.0:
+            return mean
+        for key, value in mean.items():
+            old = global_weights.get(key)
+            if old is not None and value.is_floating_point():
+                mean[key] = (mix * value.double() + (1 - mix) * old.to(value.device).double()).to(value.dtype)
+        return mean
+
+    @hookimpl
+    def fedaval_server_download(self, run, client, download):
+        """The global prototypes and radius, to a client whose copy is older."""
+        if self.protos is None or self.sent.get(client.id) == self.version:
+            return None
+        import torch
+
         self.sent[client.id] = self.version
-        return {
-            PROTOTYPES: {c: mu for c, (mu, _, _) in self.bank.items()},
-            RADII: {c: r for c, (_, r, _) in self.bank.items()},
-        }
+        return {PROTOTYPES: self.protos, RADIUS: torch.tensor(self.radius)}
 
     @hookimpl
     def fedaval_round_metrics(self, run, round):
-        return {"fedspace_bank_classes": len(self.bank)}
+        return {"fedspace_global_classes": len(self.protos or {}), "fedspace_radius": self.radius}

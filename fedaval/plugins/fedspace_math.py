@@ -1,11 +1,12 @@
 """FedSpace's maths on plain tensors (Shenaj, Toldo, Rigon, Zanuttigh,
-"Asynchronous Federated Continual Learning", CVPR Workshops 2023), whose
-prototype augmentation follows PASS (Zhu et al., "Prototype Augmentation and
-Self-Supervision for Incremental Learning", CVPR 2021). No hooks here:
-:mod:`fedaval.plugins.fedspace` is the glue.
+"Asynchronous Federated Continual Learning", CVPR Workshops 2023), as its
+authors' released code computes it (LTTM/FedSpace; read, not copied), which
+builds on PASS (Zhu et al., "Prototype Augmentation and Self-Supervision for
+Incremental Learning", CVPR 2021). No hooks here: :mod:`fedaval.plugins.fedspace`
+is the glue.
 
-A *bank* is ``dict[int, tuple[Tensor, Tensor, int]]``: class id -> (prototype
-``[D]``, radius (a 0-d tensor), sample count).
+Class ``c`` with rotation ``k`` (0, 90, 180, 270 degrees) is output unit
+``4 c + k`` of the classifier (PASS's self-supervised label augmentation).
 """
 
 from __future__ import annotations
@@ -13,74 +14,146 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fedaval.prototypes import class_index
-
-Bank = dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+ROTATIONS = 4
 
 
-def prototypes_and_radii(features: torch.Tensor, labels: torch.Tensor) -> Bank:
-    """Per class ``c`` of ``labels``: the prototype ``mu_c = mean f(x)``, the
-    radius ``r_c = sqrt(trace(Cov_c) / D)`` and the count ``n_c``.
+def rotated_copies(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images ``x`` [B, C, H, W] turned by 90, 180 and 270 degrees, with
+    their labels ``4 y + k``: ``([3B, C, H, W], [3B])``, rotation by rotation."""
+    xs = torch.cat([torch.rot90(x, k, (2, 3)) for k in range(1, ROTATIONS)])
+    ys = torch.cat([ROTATIONS * y + k for k in range(1, ROTATIONS)])
+    return xs, ys
 
-    ``Cov_c`` is the unbiased covariance of the class's features (``n_c - 1``
-    in the denominator, numpy's ``cov`` as PASS computes it), so
-    ``r_c^2 = sum_i ||f(x_i) - mu_c||^2 / ((n_c - 1) D)``: the mean variance
-    per feature dimension, and ``mu_c + r_c * N(0, I)`` has the class's total
-    variance. PASS keeps one radius for all classes (the square root of the
-    mean of the per-class ``trace(Cov)/D``), and so does FedSpace's released
-    code (one per client, computed once); the per-class radius is our
-    reading (docs/methods.md, "The baselines against their authors' code").
-    A class with one sample has radius 0."""
-    bank: Bank = {}
-    dim = features.shape[1]
-    for c in torch.unique(labels).tolist():
+
+def output_units(classes: list[int], rotation: bool) -> list[int]:
+    """The classifier's units of ``classes``: ``4 c + k`` for every rotation
+    ``k`` with ``rotation``, else ``c``; sorted (the code's ``mask``)."""
+    if not rotation:
+        return sorted(classes)
+    return sorted(ROTATIONS * c + k for c in classes for k in range(ROTATIONS))
+
+
+def masked_cross_entropy_sum(
+    logits: torch.Tensor, targets: torch.Tensor, units: torch.Tensor, position: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``sum_i CE(logits_i[units] / T, target_i)``: the cross-entropy over the
+    output units ``units`` only (sorted), a target unit ``u`` being class
+    ``position[u]`` among them (``position`` maps every unit to its index in
+    ``units``). Summed over the rows, so that parts of one minibatch add up
+    to the code's mean over the whole."""
+    return F.cross_entropy(logits[:, units] / temperature, position[targets], reduction="sum")
+
+
+def unit_positions(units: list[int], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(units, position)`` tensors for :func:`masked_cross_entropy_sum`;
+    a unit outside ``units`` maps to -1."""
+    position = torch.full((width,), -1, dtype=torch.long)
+    position[torch.tensor(units, dtype=torch.long)] = torch.arange(len(units))
+    return torch.tensor(units, dtype=torch.long, device=device), position.to(device)
+
+
+def class_prototypes(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> dict[int, torch.Tensor]:
+    """The code's prototypes of ``classes`` (a client's current task): each
+    class's mean feature, zeros for a class with no sample here."""
+    out = {}
+    for c in classes:
         f = features[labels == c].detach().to(torch.float64)
-        mu = f.mean(0)
+        out[c] = (f.mean(0) if len(f) else features.new_zeros(features.shape[1], dtype=torch.float64)).float()
+    return out
+
+
+def client_radius(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> float:
+    """The code's one radius of a client, ``sqrt(mean_c trace(Cov_c) / D)``
+    over ``classes``, ``Cov_c`` the unbiased covariance of class ``c``'s
+    features (numpy's ``cov``); a class with fewer than two samples here
+    counts as 0 (numpy gives NaN, which the code sets to 0)."""
+    dim = features.shape[1]
+    terms = []
+    for c in classes:
+        f = features[labels == c].detach().to(torch.float64)
         n = len(f)
-        spread = (f - mu).pow(2).sum() / ((n - 1) * dim) if n > 1 else f.new_zeros(())
-        bank[int(c)] = (mu.float(), spread.sqrt().float(), n)
-    return bank
+        terms.append(float((f - f.mean(0)).pow(2).sum() / ((n - 1) * dim)) if n > 1 else 0.0)
+    return float(torch.tensor(terms, dtype=torch.float64).mean().sqrt()) if terms else 0.0
 
 
-def fuse_banks(uploads: list[Bank]) -> Bank:
-    """The server's prototype averaging, per class over the clients that
-    uploaded it, weighted by their counts ``n_k``:
-    ``mu = sum_k n_k mu_k / N``, ``r = sqrt(sum_k n_k r_k^2 / N)`` (the
-    count-weighted mean of the squared radii, i.e. of the clients' per-dimension
-    variances), ``N = sum_k n_k``. Classes with zero total count are left out."""
-    sums: dict[int, list] = {}
-    for bank in uploads:
-        for c, (mu, r, n) in bank.items():
-            if n <= 0:
+def aggregate_prototypes(
+    uploads: list[tuple[int, dict[int, torch.Tensor]]], old: dict[int, torch.Tensor] | None, ema: float
+) -> dict[int, torch.Tensor]:
+    """The server's prototypes of one round (the code's ``_aggregate_proto``).
+
+    ``uploads``: ``(n_k, {class: prototype})`` per client, ``n_k`` its sample
+    count. A class uploaded this round gets the mean of the non-zero
+    prototypes sent for it, weighted by ``n_k`` (``sum_k w_k mu_k / sum_k w_k``,
+    ``w_k = n_k / N``, ``N`` the round's total; zeros when every one sent was
+    zero); a class also in ``old`` then becomes ``ema * that + (1 - ema) *
+    old``. Classes nobody uploaded this round are not in the result (the
+    code rebuilds its dictionary from the round's uploads)."""
+    total = sum(n for n, _ in uploads)
+    classes = sorted({c for _, protos in uploads for c in protos})
+    if not classes:
+        return {}
+    dim = next(mu.shape[0] for _, protos in uploads for mu in protos.values())
+    out = {}
+    for c in classes:
+        acc: torch.Tensor | None = None
+        weights = 0.0
+        for n, protos in uploads:
+            mu = protos.get(c)
+            if mu is None or not bool(mu.any()):
                 continue
-            mu64, r64 = mu.detach().to(torch.float64), r.detach().to(torch.float64)
-            if c in sums:
-                acc = sums[c]
-                acc[0] = acc[0] + n * mu64
-                acc[1] = acc[1] + n * r64**2
-                acc[2] += n
-            else:
-                sums[c] = [n * mu64, n * r64**2, n]
-    return {c: ((m / n).float(), (v / n).sqrt().float(), n) for c, (m, v, n) in sums.items()}
+            w = n / total
+            term = mu.detach().to(torch.float64) * w
+            acc = term if acc is None else acc + term
+            weights += w
+        mean = torch.zeros(dim, dtype=torch.float64) if acc is None else acc
+        if 0 < weights < 1:
+            mean = mean / weights
+        if old is not None and c in old:
+            mean = ema * mean + (1 - ema) * old[c].to(torch.float64)
+        out[c] = mean.float()
+    return out
 
 
-def pseudo_features(
-    prototypes: torch.Tensor, radii: torch.Tensor, classes: list[int], count: int, generator=None
+def aggregate_radius(uploads: list[tuple[int, float]]) -> float:
+    """The server's radius: the clients' radii weighted by their sample counts."""
+    total = sum(n for n, _ in uploads)
+    return sum(n / total * r for n, r in uploads) if total else 0.0
+
+
+def noisy_prototypes(
+    prototypes: torch.Tensor, radius: float, classes: torch.Tensor, count: int, generator=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PASS's prototype augmentation: ``count`` pseudo features
-    ``mu_c + r_c * e``, ``e ~ N(0, I)``, the class ``c`` of each drawn
-    uniformly from ``classes`` (rows of ``prototypes`` ``[K, D]`` and
-    ``radii`` ``[K]``). Random numbers come from ``generator`` (``None``: the
-    global stream of the prototypes' device, a client's own stream while it
-    trains). Returns ``(features [count, D], labels [count])``."""
+    """PASS's prototype augmentation: ``count`` features ``mu_c + r e``,
+    ``e ~ N(0, I)``, each of a class drawn uniformly from ``classes`` (rows
+    of ``prototypes`` [K, D]); one radius for all. Returns ``(features,
+    classes)``."""
     k, dim = prototypes.shape
     pick = torch.randint(k, (count,), generator=generator, device=prototypes.device)
     noise = torch.randn(count, dim, generator=generator, device=prototypes.device, dtype=prototypes.dtype)
-    labels = class_index(tuple(classes), str(prototypes.device))[pick]
-    return prototypes[pick] + radii[pick].unsqueeze(1) * noise, labels
+    return prototypes[pick] + radius * noise, classes[pick]
 
 
-def pseudo_feature_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the classifier's scores of the pseudo features,
-    averaged over them (PASS's ``loss_protoAug`` without its temperature)."""
-    return F.cross_entropy(logits, labels)
+def representation_loss(
+    features: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """The code's representation loss on ``features`` [N, D] (the minibatch's
+    unrotated features and the noisy prototypes, L2-normalised here) with
+    ``labels``: a supervised contrastive loss whose anchors are the samples
+    of the classes in ``anchors`` (the client's current classes) with at
+    least one other sample of their class:
+
+        sum_i -1 / (N_c - 1) sum_{j != i, y_j = y_i} (s_ij - log sum_j' exp(s~_ij')) / N
+
+    ``s_ij = f_i . f_j / T``; ``s~`` is ``s`` with its diagonal set to 0 (the
+    code zeroes the self-similarity and keeps it in the normaliser). Written
+    without per-class indexing (nothing waits for the GPU)."""
+    f = F.normalize(features, p=2.0, dim=1)
+    n = len(f)
+    sims = f @ f.T / temperature
+    eye = torch.eye(n, dtype=torch.bool, device=f.device)
+    norm = torch.logsumexp(sims.masked_fill(eye, 0.0), dim=1, keepdim=True)
+    same = (labels.unsqueeze(0) == labels.unsqueeze(1)) & ~eye
+    others = same.sum(1)
+    is_anchor = torch.isin(labels, anchors) & (others > 0)
+    per_anchor = -((sims - norm) * same).sum(1) / others.clamp(min=1)
+    return (per_anchor * is_anchor).sum() / n
