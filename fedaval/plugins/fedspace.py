@@ -74,9 +74,12 @@ pre-training of the code is left out (as released, it never steps its
 optimizer).
 
 **What this means in a synchronous scenario** (FedProK's Table 1,
-``fcil-sync``): every client is on the same task, so from the third round
-on the global list holds the current task's classes only, and the
-prototype augmentation has no class to draw: FedSpace is then FedAvg with
+``fcil-sync``): every client is on the same task, and the global list a
+client receives holds the classes uploaded the round before: from a task's
+second round on, the current task's only, so the prototype augmentation has
+no class to draw (it draws the last task's classes in a task's first round,
+and the client's own earlier ones before the server's first list, in the
+second round of the run): FedSpace is then FedAvg with
 the rotations, the masked cross-entropy at temperature 0.1, the
 representation loss and the server's mixing. ``keep_bank`` is the reading
 under which old classes keep being augmented. In the asynchronous scenarios
