@@ -77,9 +77,8 @@ optimizer).
 ``fcil-sync``): every client is on the same task, and the global list a
 client receives holds the classes uploaded the round before: from a task's
 second round on, the current task's only, so the prototype augmentation has
-no class to draw (it draws the last task's classes in a task's first round,
-and the client's own earlier ones before the server's first list, in the
-second round of the run): FedSpace is then FedAvg with
+no class to draw (it draws the last task's classes in a task's first
+round): FedSpace is then FedAvg with
 the rotations, the masked cross-entropy at temperature 0.1, the
 representation loss and the server's mixing. ``keep_bank`` is the reading
 under which old classes keep being augmented. In the asynchronous scenarios
