@@ -59,6 +59,11 @@ Readings chosen where the paper is open (each pinned by a test in
 5. *Freezing*: ``requires_grad=False`` on every parameter of
    ``model.features`` and the feature extractor in eval mode (BatchNorm
    statistics frozen too), from the first local epoch of task index 1 on.
+   It bounds what FedProK can reach: the best linear classifier on the
+   frozen extractor, fitted on every class's real features at once, scores
+   48.18% (CPU-scale Table 1, mean of 3 seeds) and 49.47% (full scale, seed
+   42), below the paper's 64.34 (``benchmarks/fedprok_ceiling.py``,
+   docs/reproduction.md).
 6. *"Previous" classes of a client*: the paper's union over i < t of the
    client's own task classes (less its current classes), looked up in its
    prototype list (the fused list with fusion). Classes that only other
