@@ -37,23 +37,23 @@ from pathlib import Path
 import torch
 
 from fedaval import hookimpl
+from fedaval.datasets import TensorImageDataset
 from fedaval.plugins.fedprok_math import Translation, fit_head
 
 BATCH = 500
 
 
-def features_of(model: torch.nn.Module, images: torch.Tensor, mean, std, device) -> torch.Tensor:
-    """``model.features`` of ``images`` (uint8 or float in [0, 1]), normalised
-    as the run's datasets normalise them, in eval mode, in order."""
-    scale = 255.0 if images.dtype == torch.uint8 else 1.0
-    mean_t = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-    std_t = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+def features_of(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, mean, std, device) -> torch.Tensor:
+    """``model.features`` of ``images``, normalised by the run's own dataset
+    class (:meth:`fedaval.datasets.TensorImageDataset.batch`), in eval mode,
+    in order (no DataLoader: nothing is drawn from a random stream)."""
+    dataset = TensorImageDataset(images, labels, range(len(images)), mean, std)
     model.eval()
     out = []
     with torch.no_grad():
         for i in range(0, len(images), BATCH):
-            x = (images[i : i + BATCH].to(device).float() / scale - mean_t) / std_t
-            out.append(model.features(x).flatten(1).cpu())
+            x, _ = dataset.batch(torch.arange(i, min(i + BATCH, len(images))), images, labels)
+            out.append(model.features(x.to(device)).flatten(1).cpu())
     return torch.cat(out)
 
 
@@ -78,8 +78,8 @@ def probe(
     import copy
 
     extractor = copy.deepcopy(model).to(device)
-    train = features_of(extractor, data.train_x, data.mean, data.std, device)
-    test = features_of(extractor, data.test_x, data.mean, data.std, device)
+    train = features_of(extractor, data.train_x, data.train_y, data.mean, data.std, device)
+    test = features_of(extractor, data.test_x, data.test_y, data.mean, data.std, device)
     head = torch.nn.Linear(train.shape[1], data.num_classes)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)

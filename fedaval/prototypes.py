@@ -51,6 +51,16 @@ def class_mask(classes: tuple[int, ...], width: int, device: str, inside: bool =
     return mask.index_fill_(0, class_index(classes, device), inside)
 
 
+def taught_scores(logits: torch.Tensor, classes: list[int]) -> torch.Tensor:
+    """``logits`` with every column outside ``classes`` set to ``-inf``: a
+    linear head whose outputs are only those of the classes taught so far
+    (iCaRL's growing output layer). ``classes`` empty: ``logits`` unchanged."""
+    if not classes:
+        return logits
+    untaught = class_mask(tuple(classes), logits.shape[1], str(logits.device), inside=False)
+    return logits.masked_fill(untaught, float("-inf"))
+
+
 def ema_update(old: Mapping[int, torch.Tensor], new: Mapping[int, torch.Tensor], beta: float) -> PrototypeSet:
     """``beta * old[c] + (1 - beta) * new[c]`` for a class in both sets; a class
     only in ``new`` is added as it is; a class only in ``old`` is kept (GLDP

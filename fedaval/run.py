@@ -138,6 +138,10 @@ class Run:
             for t in range(self.num_tasks)
         ]
 
+    def federation_seen_classes(self) -> list[int]:
+        """Classes taught by any client at the stages up to the current one, sorted."""
+        return sorted({c for classes in self.federation_task_classes()[: self.task + 1] for c in classes})
+
     def federation_new_classes(self) -> list[list[int]]:
         from fedaval.streams import new_classes
 

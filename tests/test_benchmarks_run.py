@@ -160,3 +160,45 @@ def test_round_cost_benchmark_splits_out_the_evaluation_forward_passes():
     assert len(forward) == len(fixed) == len(beyond) == 2
     assert all(f > 0 for f in forward)  # the evaluation's forward passes were timed, every round
     assert "fixed cost less the evaluation forward passes, median per tenth of the run (ms):" in out
+
+
+def test_fedprok_ceiling_probe_changes_nothing_and_scores_every_task(tiny_config, tmp_path):
+    """benchmarks/fedprok_ceiling.py's probe draws from no random stream: the
+    run beside it is the run without it; it reports once, at task 0's end,
+    an accuracy that is the test-count-weighted mean of its per-task ones."""
+    import importlib.util
+
+    import torch
+
+    from fedaval.api import run_training
+
+    spec = importlib.util.spec_from_file_location("fedprok_ceiling", BENCHMARKS / "fedprok_ceiling.py")
+    assert spec is not None and spec.loader is not None
+    ceiling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ceiling)
+
+    settings = dict(plugins=["fedprok"], scenario_options={"clients": 2, "tasks": 3}, rounds_per_task=2)
+    probe = ceiling.LinearProbe()
+    kept = []
+
+    class Keep:
+        name = "keep"
+
+        @ceiling.hookimpl
+        def fedaval_setup(self, run):
+            kept.append(run)
+
+    probed = run_training(tiny_config(**settings, out=tmp_path / "probed"), extra_plugins=[probe, Keep()])
+    plain = run_training(tiny_config(**settings, out=tmp_path / "plain"))
+    drop = ("plugin_metrics", "seconds")
+    strip = [{k: v for k, v in r.items() if not k.startswith(drop)} for r in probed["rounds"]]
+    assert strip == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in plain["rounds"]]
+    reports = [r["round"] for r in probed["rounds"] if r["plugin_metrics"].get("probe")]
+    assert reports == [2]  # task 0's last round
+    result = probed["rounds"][1]["plugin_metrics"]["probe"]
+    run = kept[0]
+    tasks = run.federation_new_classes()
+    counts = [int(torch.isin(run.data.test_y, torch.tensor(c)).sum()) for c in tasks]
+    weighted = sum(result[f"task_{t}"] * n for t, n in enumerate(counts)) / sum(counts)
+    assert sum(counts) == len(run.data.test_y)
+    assert result["accuracy"] == pytest.approx(weighted) and 0.2 < result["accuracy"] <= 1.0

@@ -23,8 +23,8 @@ from fedaval.plugins.ficarl_math import (
     herding_order,
     memory_quotas,
     nme_scores,
-    taught_scores,
 )
+from fedaval.prototypes import taught_scores
 
 T = torch.tensor
 PLUGIN = "fedaval.plugins.ficarl:FediCaRL"

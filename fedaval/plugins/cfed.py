@@ -177,7 +177,7 @@ class CFeD(Plugin):
             for u in with_weights:
                 scratch.load_state_dict(u.get("weights"), strict=False)
                 logits.append(scratch(x))
-        seen = sorted({c for t in range(run.now.task + 1) for c in run.federation_task_classes()[t]})
+        seen = run.federation_seen_classes()
         self.server_loss = distil(
             run.server.model,
             x,

@@ -120,7 +120,7 @@ class FEDIC(Plugin):
     def proxy_data(self, run) -> tuple[torch.Tensor, torch.Tensor]:
         """Images (normalised as the run's data) and labels of the proxy set
         for the classes the federation has seen so far."""
-        seen = sorted({c for t in run.federation_task_classes()[: run.task + 1] for c in t})
+        seen = run.federation_seen_classes()
         idx = np.concatenate([self.proxy[c] for c in seen])
         dataset = make_dataset(run.data, "train", idx)
         x, y = next(iter(torch.utils.data.DataLoader(dataset, batch_size=len(idx))))[:2]

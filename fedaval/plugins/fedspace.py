@@ -159,19 +159,15 @@ class FedSpace(Plugin):
     @hookimpl
     def fedaval_classify(self, run, client, model, features, training):
         """Evaluation: the unturned units, classes the federation has not met masked out."""
-        import torch
-
         from fedaval.plugins.fedspace_math import ROTATIONS
+        from fedaval.prototypes import taught_scores
 
         if training:
             return None
         logits = model.classifier(features)
         if self.options.rotation:
             logits = logits[:, ::ROTATIONS]
-        met = torch.zeros(logits.shape[1], dtype=torch.bool)
-        for classes in run.federation_task_classes()[: run.task + 1]:
-            met[classes] = True
-        return logits.masked_fill(~met.to(logits.device), torch.finfo(logits.dtype).min)
+        return taught_scores(logits, run.federation_seen_classes())
 
     # --- client ------------------------------------------------------------------
     @hookimpl
@@ -194,8 +190,8 @@ class FedSpace(Plugin):
 
         current = list(client.tasks.classes[client.task])
         width = (ROTATIONS if self.options.rotation else 1) * run.num_classes
-        if self.options.mask:
-            units = output_units(sorted(set(client.seen_classes()) | set(current)), self.options.rotation)
+        if self.options.mask:  # the classes of the tasks the client has begun, this one included
+            units = output_units(client.seen_classes(), self.options.rotation)
         else:
             units = list(range(width))
         units_t, position = unit_positions(units, width, run.device)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fedaval.prototypes import class_means
+
 ROTATIONS = 4
 
 
@@ -54,12 +56,10 @@ def unit_positions(units: list[int], width: int, device) -> tuple[torch.Tensor, 
 
 def class_prototypes(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> dict[int, torch.Tensor]:
     """The code's prototypes of ``classes`` (a client's current task): each
-    class's mean feature, zeros for a class with no sample here."""
-    out = {}
-    for c in classes:
-        f = features[labels == c].detach().to(torch.float64)
-        out[c] = (f.mean(0) if len(f) else features.new_zeros(features.shape[1], dtype=torch.float64)).float()
-    return out
+    class's mean feature (:func:`fedaval.prototypes.class_means`, in float64),
+    zeros for a class with no sample here."""
+    means, _ = class_means(features.detach().to(torch.float64), labels)
+    return {c: means[c].float() if c in means else features.new_zeros(features.shape[1]) for c in classes}
 
 
 def client_radius(features: torch.Tensor, labels: torch.Tensor, classes: list[int]) -> float:

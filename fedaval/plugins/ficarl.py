@@ -219,18 +219,15 @@ class FediCaRL(Plugin):
         (reading 6)."""
         if training:
             return None
-        if client is None:
-            from fedaval.plugins.ficarl_math import taught_scores
+        from fedaval.prototypes import taught_scores
 
-            taught = sorted({c for t in run.federation_task_classes()[: run.task + 1] for c in t})
-            return taught_scores(model.classifier(features), taught)
+        if client is None:
+            return taught_scores(model.classifier(features), run.federation_seen_classes())
         means = client.stash.get(MEANS)
         if self.options.nme and means:
             from fedaval.plugins.ficarl_math import nme_scores
 
             return nme_scores(features, means, run.num_classes)
-        from fedaval.plugins.ficarl_math import taught_scores
-
         return taught_scores(model.classifier(features), client.seen_classes())
 
     @hookimpl

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedaval.prototypes import class_index, class_mask
+from fedaval.prototypes import class_index
 
 
 def normalise(features: torch.Tensor) -> torch.Tensor:
@@ -91,16 +91,6 @@ def nme_scores(features: torch.Tensor, means: dict[int, torch.Tensor], num_class
     from fedaval.prototypes import nearest_prototype_scores
 
     return nearest_prototype_scores(normalise(features), means, num_classes)
-
-
-def taught_scores(logits: torch.Tensor, classes: list[int]) -> torch.Tensor:
-    """``logits`` with every column outside ``classes`` set to ``-inf``: a
-    linear head whose outputs are only those of the classes taught so far
-    (iCaRL's growing output layer). ``classes`` empty: ``logits`` unchanged."""
-    if not classes:
-        return logits
-    untaught = class_mask(tuple(classes), logits.shape[1], str(logits.device), inside=False)
-    return logits.masked_fill(untaught, float("-inf"))
 
 
 def _bce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
