@@ -9,12 +9,26 @@ local. :class:`SplitModel` makes that split explicit, and
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from fedaval.errors import choice_error
+
+
+@contextmanager
+def in_mode(model: nn.Module, training: bool) -> Iterator[nn.Module]:
+    """``model`` in train (``training``) or eval mode for the block, every
+    module's own mode restored afterwards (a module frozen in eval mode stays so)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield model
+    finally:
+        for m, mode in modes:
+            m.train(mode)
 
 
 def is_on(model: nn.Module, device: torch.device | str) -> bool:

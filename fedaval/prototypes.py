@@ -103,12 +103,8 @@ def nearest_prototype_scores(
     return scores
 
 
-@torch.no_grad()
-def extract_features(model, dataset, device, batch_size: int = 256, run=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``model.features`` of every sample of ``dataset``, in order, with the
-    model in eval mode (BatchNorm running statistics, no dropout; its modes
-    are restored afterwards). Returns ``(features, labels)`` on ``device``:
-    the one feature-extraction loop of the prototype methods.
+def dataset_batches(dataset, device, batch_size: int = 256, run=None) -> Iterable[Any]:
+    """``dataset``'s samples in order, in minibatches of ``[x, y, ...]``.
 
     With ``run``, a dataset of the run's own (a client's task data) is read
     on the run's device data path, as evaluation reads it
@@ -117,24 +113,42 @@ def extract_features(model, dataset, device, batch_size: int = 256, run=None) ->
     ``DataLoader``), instead of sample by sample through a ``DataLoader``
     and a copy to the device per minibatch; other datasets take the
     ``DataLoader``."""
-    batches: Iterable[Any] | None = None
     if run is not None and torch.device(device) == run.device:
         from fedaval.device_data import eval_batches
 
         batches = eval_batches(run, dataset, batch_size)
-    if batches is None:
-        batches = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
+        if batches is not None:
+            return batches
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+def dataset_samples(dataset, device, run=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sample of ``dataset`` (its evaluation view: no augmentation), in
+    order, as ``(images, labels)`` on ``device`` (:func:`dataset_batches`)."""
+    images, labels = [], []
+    for batch in dataset_batches(dataset, device, run=run):
+        images.append(batch[0].to(device))
+        labels.append(torch.as_tensor(batch[1]).to(device))
+    if not images:
+        return torch.zeros(0, device=device), torch.zeros(0, dtype=torch.long, device=device)
+    return torch.cat(images), torch.cat(labels)
+
+
+@torch.no_grad()
+def extract_features(model, dataset, device, batch_size: int = 256, run=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.features`` of every sample of ``dataset``, in order, with the
+    model in eval mode (BatchNorm running statistics, no dropout; its modes
+    are restored afterwards). Returns ``(features, labels)`` on ``device``:
+    the one feature-extraction loop of the prototype methods. With ``run``,
+    the run's own data is read on its device data path (:func:`dataset_batches`)."""
+    from fedaval.models import in_mode
+
     feats, labels = [], []
-    try:
-        for batch in batches:
+    with in_mode(model, training=False):
+        for batch in dataset_batches(dataset, device, batch_size, run):
             x, y = batch[0].to(device), torch.as_tensor(batch[1]).to(device)
             feats.append(model.features(x))
             labels.append(y)
-    finally:
-        for m, mode in modes:
-            m.train(mode)
     if not feats:
         return torch.zeros(0, device=device), torch.zeros(0, dtype=torch.long, device=device)
     return torch.cat(feats), torch.cat(labels)

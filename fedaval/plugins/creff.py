@@ -3,57 +3,71 @@ IJCAI 2022, "Federated Learning on Heterogeneous and Long-Tailed Data via
 Classifier Re-Training with Federated Features"); one of GLDP's baselines
 for long-tailed federated learning (``--scenario sthfl``).
 
-The method, as read here (no paper file is in the repository; this is our
-reading of the paper and of its official code's defaults):
+The method, as its authors' code runs it (shangxinyi/CReFF-FL, ``main.py``
+and ``options.py``, read, not copied; no paper file is in the repository).
+Each part that differs from a plainer reading of the paper is an option,
+with the code's value as default (docs/methods.md, "The baselines against
+their authors' code"):
 
 * Clients train as in FedAvg and upload their weights (the core's FedAvg
   fusion of every shared key, the classifier included).
-* Real-feature gradients: each sampled client, with the global model it has
-  just received (before training), extracts the features of its current
-  task's data (``model.features`` in eval mode: BatchNorm running
-  statistics) and computes, per class it holds, the gradient with respect
-  to the global classifier's weight matrix of the mean cross-entropy of that
-  class's samples (:func:`~fedaval.plugins.creff_math.per_class_gradients`).
-  Reading: all of the class's samples of the client's current task (the
-  official code draws a batch of 32 per class; the paper writes the mean
-  over the class's local data). They go up as the upload entry
-  ``creff_gradients`` (``{class: dL/dW}``), so their bytes are counted in
-  ``bytes_up``. The bias's gradient is neither matched nor sent (the
-  matching distance ignores it, see below).
+* **The classifier the gradients are taken on** (``match_head``). The server
+  sends each sampled client, beside the FedAvg model it trains from, the
+  classifier it re-trained last round (``retrained``; in the first round a
+  fresh linear layer, PyTorch's default initialisation from a generator
+  seeded by ``--seed``), as the entry ``creff_head`` (its bytes counted in
+  ``bytes_down``). ``global``: the FedAvg classifier just broadcast (nothing
+  extra is sent).
+* **Real-feature gradients.** Each sampled client puts its current task's
+  images (their evaluation view) through the received extractor in eval
+  mode (BatchNorm running statistics) and, per class it holds, takes the
+  gradient of the mean cross-entropy of a batch of that class with respect
+  to that classifier: ``real_draws`` times (10) a batch of ``real_batch``
+  (32) images drawn without replacement (all of them when the class has
+  fewer; ``real_batch=0``: all of the class's images, in order), each batch
+  augmented (``augment=dsa``: one of DSA's six augmentations, the same for
+  the whole batch, :func:`~fedaval.plugins.creff_math.siamese_augment`;
+  ``none``: as they are); the gradients are averaged over the draws. With
+  ``match_bias`` (on, as in the code) a class's gradient is taken with
+  respect to ``[W | b]`` (the bias's gradient one more column), else ``W``
+  alone. The draws come from the client's own random stream. They go up as
+  the upload entry ``creff_gradients`` (``{class: gradient}``), so their
+  bytes are counted in ``bytes_up``.
 * Server: the gradients of a class are averaged over the clients that sent
   one (plain mean, unweighted). The server keeps ``features_per_class``
   learnable federated features per class (dimension = the model's feature
-  width), created the first time a class's gradient arrives, drawn from
-  N(0, 1) with a generator seeded by ``--seed`` and the class. Each round
-  they are optimised for ``match_steps`` steps of SGD (``feature_lr``) so
-  that the gradient they induce on the classifier the clients used (the one
-  broadcast at the start of the round) matches the aggregated real gradient:
-  distance ``sum_c sum_j (1 - cos(g_syn^c_j, g_real^c_j))`` over the rows j
-  of the weight gradient (dataset condensation's distance; the official code,
-  shangxinyi/CReFF-FL, adds the bias gradient's ``1 - cos`` as one more term
-  per class: not here, see docs/methods.md, "The baselines against their
-  authors' code"). Classes with no gradient this round keep their
-  features.
-* Classifier re-training: a copy of this round's FedAvg global classifier
-  (``retrain_init=global``; ``fresh``: a new linear layer with PyTorch's
-  default initialisation from a seeded generator, as the official code
-  does) is trained for ``retrain_epochs`` epochs of SGD (``retrain_lr``,
-  minibatches of ``retrain_batch``) on the federated features of every
-  class that has them, the same number per class: a balanced classifier.
+  width), created the first time a class's gradient arrives (the code makes
+  every class's at the start: in a class-incremental run the classes arrive
+  over time), drawn from N(0, 1) with a generator seeded by ``--seed`` and
+  the class. Each round they are optimised for ``match_steps`` steps of SGD
+  (``feature_lr``) so that the gradient they induce on the same classifier
+  the clients used matches the aggregated real gradient: distance ``sum_c
+  sum_j (1 - cos(g_syn^c_j, g_real^c_j))`` over the rows j of the weight
+  gradient, plus with ``match_bias`` ``1 - cos`` of the class's two bias
+  gradients (dataset condensation's distance). Classes with no gradient this
+  round keep their features.
+* Classifier re-training: a new linear layer (``retrain_init=fresh``, the
+  code's: PyTorch's default initialisation from a generator seeded by
+  ``--seed`` and the round; ``global``: a copy of this round's FedAvg
+  classifier) is trained for ``retrain_epochs`` epochs of SGD (``retrain_lr``,
+  minibatches of ``retrain_batch``) on the federated features of every class
+  that has them, the same number per class: a balanced classifier.
 * Which model is which: the re-trained classifier is the global model's
   classifier for evaluation and inference (through ``fedaval_classify`` for
-  the server's model). It is *not* sent back for training: the next
-  broadcast is the FedAvg model and clients train from it, as in the official
-  code. The official code does use the re-trained classifier once more:
-  clients compute their real gradients, and the server matches the features,
-  on the previous round's re-trained classifier (a fresh layer in round 1),
-  where fedaval uses the FedAvg classifier just broadcast (a known
-  difference, docs/methods.md). The clients' own models are evaluated as
-  they are.
-* Defaults: ``features_per_class=100``, ``match_steps=100``,
+  the server's model) and, with ``match_head=retrained``, the classifier of
+  the next round's gradients and matching. It is *not* trained from: the next
+  broadcast is the FedAvg model and clients train from it, as in the
+  official code. The clients' own models are evaluated as they are.
+* Defaults: the code's, ``features_per_class=100``, ``match_steps=100``,
   ``feature_lr=0.1``, ``retrain_epochs=300``, ``retrain_lr=0.01``,
-  ``retrain_batch=32`` as we recall the paper's settings; small runs may use
-  fewer steps.
+  ``retrain_batch=32``, ``real_draws=10``, ``real_batch=32``. The earlier
+  reading (gradients on the FedAvg classifier, of the weight only, each
+  class's images once without augmentation, re-training from the FedAvg
+  classifier) is ``-o creff.match_head=global -o creff.match_bias=false -o
+  creff.real_draws=1 -o creff.real_batch=0 -o creff.augment=none -o
+  creff.retrain_init=global``. The code's local training (lr 0.1, 10 epochs,
+  crops and flips) is the run's own setting (``--lr``, ``--local-epochs``,
+  ``--augment``): a comparison gives every method the same.
 
 Round metrics (``plugin_metrics.creff``): the matching loss before and after
 the round's feature update (``creff_match_loss_before``/``_after``) and, at
@@ -78,13 +92,21 @@ from torch import nn
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
+from fedaval.models import SplitModel, in_mode
 from fedaval.options import at_least_one, non_negative, option, positive
 from fedaval.plugin import Plugin
-from fedaval.plugins.creff_math import per_class_gradients, retrain_classifier, update_federated_features
-from fedaval.prototypes import extract_features, mean_over_holders
+from fedaval.plugins.creff_math import (
+    GradientSet,
+    per_class_gradients,
+    retrain_classifier,
+    siamese_augment,
+    update_federated_features,
+)
+from fedaval.prototypes import dataset_samples, extract_features, mean_over_holders
 from fedaval.stash import StashKey
 
 ENTRY = "creff_gradients"
+HEAD = "creff_head"  # the classifier the clients take their gradients on (match_head=retrained)
 WEIGHT, BIAS = "classifier.weight", "classifier.bias"
 PENDING = StashKey[dict]("creff.gradients")  # this round's real-feature gradients, to upload
 
@@ -100,8 +122,15 @@ class CReFFOptions:
     retrain_lr: float = option(0.01, "learning rate of the classifier re-training", positive)
     retrain_batch: int = option(32, "minibatch size of the classifier re-training", at_least_one)
     retrain_init: Literal["global", "fresh"] = option(
-        "global", "re-training starts from a copy of the FedAvg classifier (global) or a new seeded one (fresh)"
+        "fresh", "re-training starts from a new seeded linear layer (fresh) or a copy of the FedAvg classifier (global)"
     )
+    match_head: Literal["retrained", "global"] = option(
+        "retrained", "classifier of the real gradients and the matching: last round's re-trained one or FedAvg's"
+    )
+    match_bias: bool = option(True, "match the bias's gradient too (one more 1 - cos per class)")
+    real_draws: int = option(10, "batches per class a client takes a gradient on, averaged", at_least_one)
+    real_batch: int = option(32, "images per batch (0: all of the class's images, in order)", non_negative)
+    augment: Literal["dsa", "none"] = option("dsa", "augmentation of each real batch: DSA's (Siamese) or none")
 
 
 class CReFF(Plugin):
@@ -114,7 +143,7 @@ class CReFF(Plugin):
     def __init__(self, options=None):
         super().__init__(options)
         self.features: dict[int, torch.Tensor] = {}  # federated features per class
-        self.sent: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (round, W, b) broadcast this round
+        self.sent: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (round, W, b): the gradients' classifier
         self.retrained: tuple[torch.Tensor, torch.Tensor] | None = None  # the re-trained classifier
         self.losses: tuple[float, float] | None = None  # matching loss before/after this round's update
 
@@ -128,13 +157,20 @@ class CReFF(Plugin):
     # --- client --------------------------------------------------------------------
     @hookimpl
     def fedaval_client_receive(self, run, client, download):
-        """Real-feature gradients with the global model just received."""
+        """Real-feature gradients with the extractor just received, on the
+        classifier the server sent (``match_head=retrained``) or the FedAvg one."""
         client.stash.pop(PENDING, None)
         if not client.has_task(client.task):
             return
-        features, labels = extract_features(client.model, client.train_stream[client.task].dataset, run.device, run=run)
-        head = client.model.classifier
-        grads = per_class_gradients(features, labels, head.weight, head.bias)
+        o = self.options
+        if HEAD in download:
+            weight, bias = (t.to(run.device) for t in download[HEAD])
+        else:
+            weight, bias = client.model.classifier.weight.detach(), client.model.classifier.bias.detach()
+        images, labels = dataset_samples(client.train_stream[client.task].dataset, run.device, run=run)
+        grads = real_gradients(
+            client.model, images, labels, weight, bias, o.real_draws, o.real_batch, o.augment == "dsa", o.match_bias
+        )
         client.stash[PENDING] = {c: g.cpu() for c, g in grads.items()}
 
     @hookimpl
@@ -145,11 +181,19 @@ class CReFF(Plugin):
     # --- server --------------------------------------------------------------------
     @hookimpl
     def fedaval_server_download(self, run, client, download):
-        """Keep the classifier the clients compute their gradients with."""
+        """The classifier the clients compute their gradients with: kept for
+        the matching and, unless it is the broadcast's own, sent."""
         if self.sent is None or self.sent[0] != run.round:
-            weights = download["weights"]
-            self.sent = (run.round, weights[WEIGHT].detach().clone(), weights[BIAS].detach().clone())
-        return None
+            if self.options.match_head == "global":
+                weight, bias = download["weights"][WEIGHT], download["weights"][BIAS]
+            elif self.retrained is not None:
+                weight, bias = self.retrained
+            else:
+                head = run.server.model.classifier
+                generator = torch.Generator().manual_seed((run.config.seed * 1_000_003 + 104_729) % (2**63))
+                weight, bias = fresh_linear(head.in_features, head.out_features, generator, run.device)
+            self.sent = (run.round, weight.detach().clone(), bias.detach().clone())
+        return {HEAD: self.sent[1:]} if self.options.match_head == "retrained" else None
 
     def initial_features(self, run, c: int, dim: int) -> torch.Tensor:
         """Class c's federated features: N(0, 1), seeded by ``--seed`` and c."""
@@ -208,6 +252,41 @@ class CReFF(Plugin):
                 total += len(labels)
             out["creff_accuracy_fedavg_head"] = correct / total
         return out or None
+
+
+@torch.no_grad()
+def real_gradients(
+    model: SplitModel,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    draws: int,
+    batch: int,
+    augment: bool,
+    with_bias: bool,
+) -> GradientSet:
+    """A client's real-feature gradients on the classifier ``(weight, bias)``:
+    for each class of ``labels``, the mean over ``draws`` batches of its
+    images (``batch`` drawn without replacement, all when fewer; ``batch=0``:
+    all, in order; each batch through :func:`siamese_augment` when
+    ``augment``) of the gradient of the batch's mean cross-entropy, the
+    features being ``model.features`` in eval mode
+    (:func:`~fedaval.plugins.creff_math.per_class_gradients`)."""
+    members = {c: (labels == c).nonzero().flatten() for c in sorted(set(labels.tolist()))}
+    total: GradientSet = {}
+    with in_mode(model, training=False):
+        for _ in range(draws):
+            picked = [
+                idx if batch == 0 else idx[torch.randperm(len(idx))[:batch].to(idx.device)] for idx in members.values()
+            ]
+            x = [images[idx] for idx in picked]
+            if augment:
+                x = [siamese_augment(part) for part in x]
+            features = torch.cat([model.features(part).flatten(1) for part in torch.cat(x).split(256)])
+            for c, g in per_class_gradients(features, labels[torch.cat(picked)], weight, bias, with_bias).items():
+                total[c] = total[c] + g / draws if c in total else g / draws
+    return total
 
 
 def fresh_linear(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fedaval.models import in_mode
+
 
 def class_prior(counts: torch.Tensor, smoothing: float) -> torch.Tensor:
     """The class distribution ``pi`` behind the logit adjustment, from class
@@ -106,11 +108,9 @@ def distil(
     The model is trained in train mode and its modes are restored. Returns the
     loss of each step."""
     forward = forward or (lambda m, inputs: m(inputs))
-    modes = [(m, m.training) for m in model.modules()]
-    model.train()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
-    try:
+    with in_mode(model, training=True):
         for _ in range(steps):
             idx = torch.randperm(len(x), generator=generator)[:batch_size].to(x.device)
             loss = distillation_loss(forward(model, x[idx]), teacher[idx], temperature)
@@ -118,7 +118,4 @@ def distil(
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    finally:
-        for m, mode in modes:
-            m.train(mode)
     return losses

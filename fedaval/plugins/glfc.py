@@ -394,16 +394,12 @@ class GLFC(Plugin):
         """Accuracy of ``model`` on every reconstructed image so far."""
         import torch
 
+        from fedaval.models import in_mode
+
         x = torch.stack([img for img, _ in self.reconstructed]).to(run.device)
         y = torch.tensor([c for _, c in self.reconstructed], device=run.device)
-        modes = [(m, m.training) for m in model.modules()]
-        model.eval()
-        try:
-            with torch.no_grad():
-                return float((model(x).argmax(dim=1) == y).float().mean())
-        finally:
-            for m, mode in modes:
-                m.train(mode)
+        with in_mode(model, training=False), torch.no_grad():
+            return float((model(x).argmax(dim=1) == y).float().mean())
 
     @hookimpl
     def fedaval_server_task_end(self, run, task):
