@@ -1,5 +1,7 @@
-"""CFeD as a plugin: learners and reviewers, distillation of the old model on
-surrogate data, server distillation of the client ensemble, and the
+"""CFeD as a plugin: its authors' code (the defaults: learners only learn,
+reviewers distil the old model on surrogate data over every logit, no server
+distillation), the earlier reading through the options (learners distil too,
+over the old classes, and the server distils the client ensemble), and the
 surrogate option's one-line errors."""
 
 from __future__ import annotations
@@ -69,8 +71,12 @@ class AfterFuse:
         self.state[round] = copy.deepcopy(run.server.model.state_dict())
 
 
-@pytest.fixture(scope="module")
-def cfed_run(tmp_path_factory):
+# the reading before CFeD followed its authors' code (the paper's: learners distil too, over the old
+# classes, and the server distils the client ensemble); the same gradients as then
+EARLIER = {"review_fraction": 0.3, "kd_weight": 4.0, "review_weight": 4.0, "distil_classes": "old", "server_epochs": 1}
+
+
+def cfed_training(tmp_path_factory, **options):
     from conftest import CIFAR10_SUBSET
 
     probes = ClientProbe(), BeforeFuse(), AfterFuse()
@@ -83,11 +89,63 @@ def cfed_run(tmp_path_factory):
                 "surrogate": "imagefolder",
                 "surrogate_root": str(CIFAR10_SUBSET),
                 "surrogate_samples": 200,
-                "review_fraction": 0.3,
+                **options,
             }
         },
     )
     return run_training(config, extra_plugins=list(probes)), probes
+
+
+@pytest.fixture(scope="module")
+def cfed_run(tmp_path_factory):
+    return cfed_training(tmp_path_factory, **EARLIER)
+
+
+@pytest.fixture(scope="module")
+def code_run(tmp_path_factory):
+    """CFeD with its defaults: its authors' code."""
+    return cfed_training(tmp_path_factory)
+
+
+def test_the_codes_learners_only_learn_and_the_server_only_averages(code_run):
+    results, (probe, before, after) = code_run
+    for round in (3, 4):
+        reviewers = [k for k in range(3) if probe.role[(k, round)]]
+        assert len(reviewers) == 1  # round(0.4 * 3)
+        losses = results["rounds"][round - 1]["losses"]
+        assert "loss/cfed_kd" not in losses and "loss/cfed_review" in losses
+        for k in set(range(3)) - set(reviewers):
+            assert all(v > 0.0 for v in probe.ce[(k, round)])
+    assert results["rounds"][3]["losses"]["loss/cfed_review"] > 0
+    for round in range(1, 5):  # no server distillation: the global model is FedAvg's
+        assert all(torch.equal(v, after.state[round][k]) for k, v in before.state[round].items())
+        assert "cfed_server_kd_loss" not in results["rounds"][round - 1].get("plugin_metrics", {}).get("cfed", {})
+
+
+@pytest.mark.parametrize(("classes", "columns"), [("all", None), ("old", [0, 1])])
+def test_a_reviewers_loss_is_the_weighted_soft_cross_entropy(classes, columns):
+    """``fedaval_client_loss`` of a reviewer: ``review_weight`` times the code's
+    soft cross-entropy between the old model and the client on a surrogate
+    minibatch from the client's shard, over every logit or the old classes'."""
+    from types import SimpleNamespace
+
+    from fedaval.plugins.cfed import CFeD
+    from fedaval.plugins.cfed_math import soft_cross_entropy
+
+    plugin = CFeD(CFeD.Options(surrogate="digits", review_weight=0.1, distil_classes=classes))
+    plugin.surrogate, plugin.shards = torch.randn(12, 4), 3
+    torch.manual_seed(0)
+    student, teacher = torch.nn.Linear(4, 5), torch.nn.Linear(4, 5)
+    client = SimpleNamespace(id=1, model=student, stash={REVIEW: True, TEACHER: (teacher, [0, 1])})
+    batch = SimpleNamespace(x=torch.zeros(3, 4))
+    torch.manual_seed(9)
+    out = plugin.fedaval_client_loss(run=None, client=client, batch=batch)
+    torch.manual_seed(9)
+    xs = plugin.shard(1)[torch.randint(4, (3,))]
+    expected = 0.1 * soft_cross_entropy(student(xs), teacher(xs), columns, 2.0)
+    assert set(out) == {"cfed_review"} and torch.allclose(out["cfed_review"], expected)
+    client.stash[REVIEW] = False  # a learner: kd_weight 0, nothing
+    assert plugin.fedaval_client_loss(run=None, client=client, batch=batch) is None
 
 
 def test_clients_split_into_learners_and_reviewers_from_the_second_task(cfed_run):

@@ -11,6 +11,7 @@ from fedaval.plugins.cfed_math import (
     distillation_loss,
     ensemble_logits,
     reviewer_count,
+    soft_cross_entropy,
     split_clients,
     to_input_shape,
 )
@@ -34,6 +35,27 @@ def test_distillation_loss_by_hand():
     assert math.isclose(distillation_loss(wide_s, wide_t, [0, 1], 1.0).item(), expected, rel_tol=1e-6)
     # equal scores up to a shift: zero
     assert abs(distillation_loss(T([[1.0, 2.0]]), T([[3.0, 4.0]]), None, 2.0).item()) < 1e-6
+
+
+def test_soft_cross_entropy_by_hand():
+    student, teacher = T([[0.0, 0.0]]), T([[LN3, 0.0]])
+    # T = 1: p_t = (3/4, 1/4), log p_s = (ln 1/2, ln 1/2): -(3/4 + 1/4) ln(1/2) = ln 2, with no T^2 factor
+    assert math.isclose(soft_cross_entropy(student, teacher, None, 1.0).item(), math.log(2), rel_tol=1e-6)
+    # it is KL / T^2 plus the teacher's entropy: the same gradient as distillation_loss / T^2
+    s3 = math.sqrt(3.0)
+    p = (s3 / (s3 + 1), 1 / (s3 + 1))
+    entropy = -(p[0] * math.log(p[0]) + p[1] * math.log(p[1]))
+    value = soft_cross_entropy(student, teacher, None, 2.0).item()
+    assert math.isclose(value, distillation_loss(student, teacher, None, 2.0).item() / 4 + entropy, rel_tol=1e-6)
+    a = T([[0.3, -1.0, 2.0]]).requires_grad_(True)
+    b = T([[1.0, 0.5, -0.5]])
+    (g_soft,) = torch.autograd.grad(soft_cross_entropy(a, b, None, 2.0), a)
+    (g_kl,) = torch.autograd.grad(distillation_loss(a, b, None, 2.0), a)
+    assert torch.allclose(4 * g_soft, g_kl, atol=1e-6)
+    # over all columns by default; restricted to classes [0, 1] the third is ignored
+    wide_s, wide_t = T([[0.0, 0.0, 100.0]]), T([[LN3, 0.0, -100.0]])
+    assert math.isclose(soft_cross_entropy(wide_s, wide_t, [0, 1], 1.0).item(), math.log(2), rel_tol=1e-6)
+    assert soft_cross_entropy(wide_s, wide_t, None, 1.0).item() > 100
 
 
 def test_ensemble_is_the_mean_of_logits():

@@ -2,28 +2,45 @@
 Xie, Wang, Chen, Shou, IJCAI 2022). The maths is in
 :mod:`fedaval.plugins.cfed_math`; this module is the hook glue.
 
-What happens:
+What happens, as the authors' released federated code runs it (lianziqt/CFeD,
+``train_eval_fed.py``, ``update.py``, ``loss.py``; read, not copied), each
+difference from the paper's description an option with the code's value as
+default:
 
 * an unlabelled *surrogate* dataset (``cfed.surrogate``, a dataset fedaval
   loads, with ``cfed.surrogate_root``) is loaded once, converted to the run's
   input shape and normalised as the run's data (``fedaval_setup``); its
   labels are never read;
 * from the second task on, the sampled clients of each round are divided at
-  random (CFeD's client division): a ``review_fraction`` of them *review*
-  old tasks, the rest *learn* the new task (``fedaval_server_download``
-  tells each client its role);
+  random (CFeD's client division): a ``review_fraction`` of them (0.4: the
+  code trains 60% learners and 40% reviewers) *review* old tasks, the rest
+  *learn* the new task (``fedaval_server_download`` tells each client its
+  role);
 * the old model is the global model at the end of the previous task (a
   client takes it from the weights it receives in its first round of the
   task; a client that joins the task later is sent it);
-* a learner's loss is the cross-entropy on its task data plus ``kd_weight``
-  times the distillation of the old model on a surrogate minibatch, over the
-  old classes (``cfed_kd``, the paper's L_KD, LwF on surrogate data); a
-  reviewer's is only that distillation (``cfed_review``: its cross-entropy
-  is zero, ``fedaval_client_criterion``), for as many steps as a learner;
-* the server averages the weights (FedAvg) and then distils the ensemble of
-  the uploaded client models (mean logits) on its surrogate data into the
-  global model, over every class the federation has seen
-  (``fedaval_server_fuse``; ``server_epochs=0`` turns it off).
+* a learner's loss is the cross-entropy on its task data (the code's
+  learners use nothing else; ``kd_weight`` > 0 adds that weight times the
+  distillation below, the paper's L_KD, as ``cfed_kd``); a reviewer's is only
+  ``review_weight`` (0.1, the code's) times the distillation of the old model
+  on surrogate minibatches (``cfed_review``: its cross-entropy is zero,
+  ``fedaval_client_criterion``), for as many steps as a learner;
+* the client-side distillation is the code's soft cross-entropy at
+  ``temperature`` (2), with no ``T^2`` factor
+  (:func:`~fedaval.plugins.cfed_math.soft_cross_entropy`), over every class's
+  logit (``distil_classes=all``, the code's) or the old classes' only
+  (``old``);
+* the server averages the weights (FedAvg). ``server_epochs`` > 0 then
+  distils the ensemble of the uploaded client models (mean logits) on its
+  surrogate data into the global model, over every class the federation has
+  seen, with Hinton's ``T^2``-scaled KL (``fedaval_server_fuse``, the paper's
+  server distillation); 0, the default, as in every configuration of the
+  code (``server_distillation = False``), turns it off.
+
+The reading fedaval had before it followed the code (from the paper) is
+``-o cfed.review_fraction=0.3 -o cfed.kd_weight=4 -o cfed.review_weight=4 -o
+cfed.distil_classes=old -o cfed.server_epochs=1``: the same gradients
+(``T^2`` = 4 times the soft cross-entropy is ``T^2`` KL plus a constant).
 
 Readings and choices:
 
@@ -36,10 +53,16 @@ Readings and choices:
   is cut into disjoint shards, one per client and one for the server (the
   paper gives every client and the server its own surrogate data).
 * The split is redrawn every round from the run's seed and the round; at
-  least one sampled client learns (``reviewer_count``). In the first task
-  there is nothing to review: everyone learns, and the server still distils.
-* Distillation is Hinton's T^2-scaled KL at temperature ``temperature``; the
-  surrogate forward passes keep BatchNorm statistics frozen (real data's).
+  least one sampled client learns (``reviewer_count``). The code draws its
+  learners (60% of its per-round count) and reviewers (40%) independently,
+  so a client may do both in one round; in fedaval a client trains once a
+  round, so the sampled clients are split. In the first task there is
+  nothing to review: everyone learns.
+* A reviewer takes as many steps as its task data has minibatches, each on
+  a surrogate minibatch of the same size drawn from its shard (the code: an
+  epoch over its surrogate shard); its surrogate forward passes keep
+  BatchNorm statistics frozen (real data's). The run's optimizer is used
+  (the code trains with Adam; a comparison gives every method the same).
 * The paper's learning rates and epochs for the server distillation are not
   ours to copy (other models and data): defaults are ours.
 """
@@ -49,6 +72,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError, choice_error
@@ -83,11 +107,15 @@ class CFeD(Plugin):
             1000, "surrogate training images drawn (the pool shared out in shards)", _at_least_two
         )
         review_fraction: float = option(
-            0.3, "fraction of a round's sampled clients that review old tasks", unit_interval
+            0.4, "fraction of a round's sampled clients that review old tasks", unit_interval
         )
-        kd_weight: float = option(1.0, "weight of the learners' distillation term on surrogate data", non_negative)
+        review_weight: float = option(0.1, "weight of the reviewers' distillation on surrogate data", non_negative)
+        kd_weight: float = option(0.0, "weight of the learners' distillation on surrogate data (0: off)", non_negative)
+        distil_classes: Literal["all", "old"] = option(
+            "all", "logits the clients' distillation covers: every class's or the old classes'"
+        )
         temperature: float = option(2.0, "distillation temperature T", positive)
-        server_epochs: int = option(1, "epochs of server-side ensemble distillation per round (0: off)", non_negative)
+        server_epochs: int = option(0, "epochs of server-side ensemble distillation per round (0: off)", non_negative)
         server_lr: float = option(0.01, "learning rate of the server-side distillation", positive)
         server_batch_size: int = option(64, "minibatch of the server-side distillation", _at_least_two)
 
@@ -238,13 +266,13 @@ class CFeD(Plugin):
     def fedaval_client_loss(self, run, client, batch):
         import torch
 
-        from fedaval.plugins.cfed_math import batchnorm_frozen, distillation_loss
+        from fedaval.plugins.cfed_math import batchnorm_frozen, soft_cross_entropy
 
         teacher = client.stash.get(TEACHER)
         if teacher is None:
             return None
         review = bool(client.stash.get(REVIEW))
-        weight = 1.0 if review else self.options.kd_weight
+        weight = self.options.review_weight if review else self.options.kd_weight
         if weight == 0:
             return None
         model, old = teacher
@@ -255,7 +283,8 @@ class CFeD(Plugin):
             target = model(xs)
         with batchnorm_frozen(client.model):
             student = client.model(xs)
-        loss = distillation_loss(student, target, old, self.options.temperature)
+        classes = old if self.options.distil_classes == "old" else None
+        loss = soft_cross_entropy(student, target, classes, self.options.temperature)
         return {"cfed_review" if review else "cfed_kd": weight * loss}
 
 

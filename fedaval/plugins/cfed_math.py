@@ -34,6 +34,22 @@ def distillation_loss(
     return temperature**2 * kl.mean()
 
 
+def soft_cross_entropy(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, classes: Sequence[int] | None, temperature: float
+) -> torch.Tensor:
+    """The clients' distillation in CFeD's code (its ``DistillationLoss``
+    without the weight): ``-mean_batch sum_k softmax(t/T)_k log softmax(s/T)_k``
+    over the columns ``classes`` (all columns when ``None``), with no ``T^2``
+    factor. It is ``KL(softmax(t/T) || softmax(s/T))`` plus the teacher's
+    entropy, a constant for the student: the same gradient as
+    :func:`distillation_loss` divided by ``T^2``."""
+    if classes is not None:
+        cols = class_index(tuple(classes), str(student_logits.device))
+        student_logits, teacher_logits = student_logits[:, cols], teacher_logits[:, cols]
+    log_s = F.log_softmax(student_logits / temperature, dim=1)
+    return -(F.softmax(teacher_logits / temperature, dim=1) * log_s).sum(dim=1).mean()
+
+
 def ensemble_logits(logits: Sequence[torch.Tensor]) -> torch.Tensor:
     """The ensemble's scores: the mean of the clients' logits."""
     return torch.stack(list(logits)).mean(dim=0)
