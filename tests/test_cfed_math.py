@@ -13,8 +13,8 @@ from fedaval.plugins.cfed_math import (
     reviewer_count,
     soft_cross_entropy,
     split_clients,
-    to_input_shape,
 )
+from fedaval.unlabelled import to_input_shape
 
 T = torch.tensor
 LN3 = math.log(3.0)

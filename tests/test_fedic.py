@@ -1,7 +1,9 @@
-"""FEDIC: the maths against hand-computed values (prior, logit adjustment,
-gate, distillation loss), calibration moves a skewed ensemble toward
-balance, distillation changes the global model in a real digits run, and the
-proxy set's one-line errors."""
+"""FEDIC: the maths against hand-computed values (the code's calibrated
+ensemble, Adam kept across calls; the earlier reading's prior, logit
+adjustment, gate, distillation loss), calibration moves a skewed ensemble
+toward balance, distillation changes the global model in real digits runs of
+both teachers (the code's with unlabelled data from another dataset), and
+the one-line errors of the proxy and unlabelled sets."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from fedaval.api import run_training
 from fedaval.errors import FedavalUsageError
 from fedaval.plugins.fedic import ENTRY
 from fedaval.plugins.fedic_math import (
+    CalibratedEnsemble,
+    adam_steps,
     calibrated_logits,
     class_prior,
     distil,
@@ -106,10 +110,51 @@ def test_distil_pulls_the_student_to_the_teacher():
     assert float(distillation_loss(model(x), teacher, 2.0)) < before / 2
 
 
-# --- a real run ----------------------------------------------------------------
+def test_calibrated_ensemble_by_hand():
+    # two clients, two classes, at initialisation: client weights sigmoid(z_k . 1) normalised over the
+    # clients, scale 1 and bias 0 per class, a carry gate of w = 0, c = 0 (1/2)
+    ensemble = CalibratedEnsemble(2, (torch.zeros(1, 3), torch.zeros(1)))
+    logits = t([[2.0, 0.0]], [[0.0, -2.0]])[:, None, :]  # [M=2, N=1, K=2]
+    features = torch.randn(2, 1, 3)
+    w = torch.sigmoid(torch.tensor([2.0, -2.0]))
+    w = w / w.sum()
+    mixed = w[0] * torch.tensor([2.0, 0.0]) + w[1] * torch.tensor([0.0, -2.0])
+    finetuned = t([4.0, 4.0])
+    out = ensemble(features, logits, finetuned)
+    assert torch.allclose(out, 0.5 * mixed + 0.5 * finetuned)
+    assert torch.allclose(ensemble.client_weights(logits).sum(0), torch.ones(1, 1))
+    # a gate that carries everything: the calibrated ensemble, scaled and shifted per class
+    gated = CalibratedEnsemble(2, (torch.zeros(1, 3), torch.tensor([50.0])))
+    with torch.no_grad():
+        gated.logit_scale.copy_(torch.tensor([2.0, 1.0]))
+        gated.logit_bias.copy_(torch.tensor([0.0, 1.0]))
+    assert torch.allclose(
+        gated(features, logits, finetuned), mixed * torch.tensor([2.0, 1.0]) + torch.tensor([0.0, 1.0])
+    )
+
+
+def test_adam_steps_continue_from_the_kept_state():
+    def run(splits):
+        p = torch.nn.Parameter(torch.tensor([3.0, -1.0]))
+        state = None
+        for n in splits:
+            state, losses = adam_steps([p], state, 0.1, 0.01, n, lambda: ((p - 1) ** 2).sum())
+        return p.detach(), state, losses
+
+    whole, state, _ = run([6])
+    parts, part_state, losses = run([2, 4])
+    assert torch.equal(whole, parts) and len(losses) == 4
+    assert int(part_state["state"][0]["step"]) == 6
+    fresh, _, _ = run([2])
+    p = torch.nn.Parameter(fresh.clone())
+    adam_steps([p], None, 0.1, 0.01, 4, lambda: ((p - 1) ** 2).sum())
+    assert not torch.equal(p.detach(), whole)  # restarting Adam is another path
+
+
+# --- real runs -----------------------------------------------------------------
 
 STHFL = dict(scenario="sthfl", scenario_options={"clients": 3, "classes_per_task": 3, "tasks": 2, "imbalance": 4.0})
-SMALL = {"proxy_per_class": 3, "gate_steps": 20, "distill_steps": 20}
+SMALL = {"proxy_per_class": 3, "gate_steps": 20, "distill_steps": 20, "steps": 20}
 
 
 class Probe:
@@ -137,14 +182,13 @@ class Probe:
         self.downloads.append((run.round, {k: v.clone() for k, v in download["weights"].items()}))
 
 
-@pytest.fixture(scope="module")
-def fedic_run(tmp_path_factory):
+def fedic_training(tmp_path_factory, **options):
     from fedaval.config import RunConfig
 
     probe = Probe()
     config = RunConfig(
         plugins=[PLUGIN],
-        plugin_options={"fedic": SMALL},
+        plugin_options={"fedic": {**SMALL, **options}},
         dataset="digits",
         rounds_per_task=2,
         local_epochs=1,
@@ -156,6 +200,50 @@ def fedic_run(tmp_path_factory):
     return run_training(config, extra_plugins=[probe]), probe
 
 
+@pytest.fixture(scope="module")
+def fedic_run(tmp_path_factory):
+    """The authors' code's teacher, distilling on another dataset's images (CIFAR-10, grey 8x8)."""
+    from conftest import CIFAR10_SUBSET
+
+    return fedic_training(
+        tmp_path_factory, unlabelled="imagefolder", unlabelled_root=str(CIFAR10_SUBSET), unlabelled_samples=150
+    )
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory):
+    return fedic_training(tmp_path_factory, teacher="logit-adjust")
+
+
+@pytest.fixture(params=["fedic_run", "earlier_run"])
+def either_run(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_the_code_teachers_phases_keep_their_state_across_rounds(fedic_run):
+    results, probe = fedic_run
+    plugin = probe.run.plugins.objects["fedic"]
+    fused = len(probe.after_fedavg)
+    assert fused == len(results["rounds"])
+    for phase in ("finetune", "calibration", "distil"):
+        assert int(plugin.optimizers[phase]["state"][0]["step"]) == 20 * fused, phase
+    assert not torch.equal(plugin.calibration["client_scale"], torch.ones_like(plugin.calibration["client_scale"]))
+    assert plugin.unlabelled_x.shape == (150, 1, 8, 8)
+    metrics = results["rounds"][-1]["plugin_metrics"]["fedic"]
+    assert 0 <= metrics["fedic_proxy_acc_calibrated"] <= 1 and 0 <= metrics["fedic_proxy_acc_ensemble"] <= 1
+
+
+def test_the_unlabelled_images_are_what_is_distilled_on(fedic_run, tmp_path_factory):
+    proxy_only, _ = fedic_training(tmp_path_factory)  # no unlabelled dataset: the proxy images
+    with_other, _ = fedic_run
+    assert proxy_only["rounds"][0]["plugin_metrics"]["fedic"] != with_other["rounds"][0]["plugin_metrics"]["fedic"]
+
+
+def test_a_bad_unlabelled_dataset_is_a_one_line_error(tmp_path):
+    line = one_line_error(["train", "--plugins", PLUGIN, "-o", "fedic.unlabelled=nosuchdata", "--out", str(tmp_path)])
+    assert "fedic.unlabelled" in line and "nosuchdata" in line and "digits" in line
+
+
 def test_counts_are_uploaded(fedic_run):
     results, probe = fedic_run
     run = probe.run
@@ -165,8 +253,8 @@ def test_counts_are_uploaded(fedic_run):
     assert [int(e.sum()) for e in first] == [len(c.tasks.indices[0]) for c in run.clients]
 
 
-def test_distillation_changes_the_global_model_and_is_broadcast(fedic_run):
-    results, probe = fedic_run
+def test_distillation_changes_the_global_model_and_is_broadcast(either_run):
+    results, probe = either_run
     for round, sent in probe.downloads:
         if round == 1:
             continue
@@ -212,3 +300,23 @@ def test_proxy_missing_classes_is_a_one_line_error(tmp_path):
 def test_refused_with_a_personal_head(tiny_config):
     with pytest.raises(FedavalUsageError, match="fedic needs the classifier shared"):
         run_training(tiny_config(plugins=["fedrep", PLUGIN], plugin_options={"fedic": {**SMALL, "proxy": "train"}}))
+
+
+def test_a_resumed_run_keeps_the_teachers_state(tiny_config, tmp_path):
+    """The calibrated ensemble and the three Adam states are checkpointed: a
+    run resumed mid-task ends as the whole run does."""
+    from helpers import strip_timing
+
+    from fedaval import checkpoint
+    from fedaval.build import build_run
+    from fedaval.coordinator import train
+
+    options = {"fedic": {"proxy": "train", "proxy_per_class": 3, "steps": 5}}
+    config = tiny_config(
+        plugins=[PLUGIN], plugin_options=options, out=str(tmp_path / "whole"), rounds_per_task=3, keep_checkpoints=100
+    )
+    whole = strip_timing(run_training(config))
+    run = build_run(config, out_dir=tmp_path / "resumed")
+    results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", 4))
+    assert run.plugins.objects["fedic"].optimizers["distil"]["state"][0]["step"] == 5 * 4
+    assert strip_timing(train(run, results=results)) == whole

@@ -71,11 +71,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from fedaval import hookimpl
-from fedaval.errors import FedavalUsageError, choice_error
+from fedaval.errors import FedavalUsageError
 from fedaval.options import non_negative, option, positive, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
@@ -291,52 +290,20 @@ class CFeD(Plugin):
 def load_surrogate(run, options):
     """The surrogate pool: ``surrogate_samples`` training images of the
     surrogate dataset (of ``surrogate_classes``), in the run's input shape,
-    normalised as the run's data. One-line errors: none named, unknown,
-    missing root, or the run's own data."""
-    import torch
+    normalised as the run's data (:func:`fedaval.unlabelled.load_unlabelled`).
+    One-line errors: none named, unknown, missing root, or the run's own data."""
+    from fedaval.unlabelled import load_unlabelled
 
-    from fedaval.datasets import load_dataset
-    from fedaval.plugins.cfed_math import to_input_shape
-
-    name = options.surrogate
-    if not name:
+    if not options.surrogate:
         raise FedavalUsageError(
             "cfed needs an unlabelled surrogate dataset: -o cfed.surrogate=NAME (-o cfed.surrogate_root=PATH); "
             f"datasets: {', '.join(sorted(run.datasets))}"
         )
-    if name not in run.datasets:
-        raise choice_error("cfed.surrogate dataset", name, sorted(run.datasets))
-    root = Path(options.surrogate_root).expanduser() if options.surrogate_root else None
-    if root is not None and not root.exists():
-        raise FedavalUsageError(f"bad value cfed.surrogate_root={options.surrogate_root!r}: it does not exist")
-    try:
-        data = load_dataset(name, root, False, run.datasets)
-    except FedavalUsageError as exc:
-        raise FedavalUsageError(
-            f"cfed.surrogate={name!r}: {exc}".replace("--data-root", "cfed.surrogate_root")
-        ) from None
-    classes = options.surrogate_classes or list(range(data.num_classes))
-    bad = [c for c in classes if not 0 <= c < data.num_classes]
-    if bad:
-        raise FedavalUsageError(
-            f"bad value cfed.surrogate_classes={bad}; {name!r} has classes 0..{data.num_classes - 1}"
-        )
-    run_root = Path(run.config.data_root).expanduser().resolve() if run.config.data_root else None
-    same = name == run.config.dataset and (root.resolve() if root else None) == run_root
-    if same:
-        used = {c for task in run.federation_task_classes() for c in task}
-        shared = sorted(set(classes) & used)
-        if shared:
-            raise FedavalUsageError(
-                f"cfed.surrogate={name!r} is the run's own dataset and shares classes {shared} with its tasks; "
-                "choose another dataset, or cfed.surrogate_classes outside the tasks' classes"
-            )
-    keep = torch.nonzero(torch.isin(data.train_y, torch.tensor(classes))).flatten()
-    gen = torch.Generator().manual_seed(run.config.seed)
-    keep = keep[torch.randperm(len(keep), generator=gen)[: options.surrogate_samples]]
-    images = data.train_x[keep]
-    images = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
-    x = to_input_shape(images, run.data.input_shape)
-    mean = torch.tensor(run.data.mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.tensor(run.data.std, dtype=torch.float32).view(1, -1, 1, 1)
-    return (x - mean) / std
+    return load_unlabelled(
+        run,
+        "cfed.surrogate",
+        options.surrogate,
+        options.surrogate_root,
+        options.surrogate_classes,
+        options.surrogate_samples,
+    )

@@ -1,7 +1,7 @@
 """CFeD's maths (Ma, Xie, Wang, Chen, Shou, IJCAI 2022): the distillation
-loss on surrogate data, the ensemble the server distils, the division of
-clients into learners and reviewers, and the conversion of a surrogate
-dataset to the model's input shape. Plain functions on tensors, tested
+loss on surrogate data, the ensemble the server distils and the division of
+clients into learners and reviewers (the surrogate data's conversion to the
+model's input shape is :mod:`fedaval.unlabelled`). Plain functions on tensors, tested
 against hand-computed values in ``tests/test_cfed_math.py``; the hook glue is
 :mod:`fedaval.plugins.cfed`.
 """
@@ -74,25 +74,6 @@ def split_clients(ids: Sequence[int], fraction: float, generator: torch.Generato
     reviewers = sorted(ids[i] for i in order[:n])
     learners = sorted(i for i in ids if i not in reviewers)
     return learners, reviewers
-
-
-def to_input_shape(images: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Images ``[N, C, H, W]`` in [0, 1] to ``shape`` = (C', H', W'): RGB to
-    grey by the channel mean, grey to RGB by repeating the channel, then a
-    bilinear resize (antialiased when shrinking)."""
-    c, h, w = shape
-    x = images.float()
-    if x.shape[1] != c:
-        if c == 1:
-            x = x.mean(dim=1, keepdim=True)
-        elif x.shape[1] == 1:
-            x = x.repeat(1, c, 1, 1)
-        else:
-            raise ValueError(f"cannot turn {x.shape[1]}-channel images into {c} channels")
-    if tuple(x.shape[2:]) != (h, w):
-        shrink = x.shape[2] > h or x.shape[3] > w
-        x = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False, antialias=shrink)
-    return x
 
 
 @contextmanager

@@ -5,13 +5,19 @@ on tensors. The hook glue is :mod:`fedaval.plugins.fedic`.
 No paper file is in the repository: the steps are named after the paper's
 description (ensemble of client models, logit-adjustment calibration with a
 calibration gating network, distillation with temperature), not by equation
-number.
+number. :class:`CalibratedEnsemble` and :func:`adam_steps` are the teacher as
+the authors' code builds it (shangxinyi/FEDIC, ``main.py``; read, not
+copied); the logit-adjustment functions are the earlier reading of the paper.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fedaval.models import in_mode
 
@@ -119,3 +125,71 @@ def distil(
             loss.backward()
             optimizer.step()
     return losses
+
+
+class CalibratedEnsemble(nn.Module):
+    """FEDIC's calibrated ensemble as its code builds it (its
+    ``Ensemble_highway``): from M client models' features ``[M, N, d]`` and
+    logits ``[M, N, K]`` and a fine-tuned global model's logits ``[N, K]``:
+
+    * each client's per-sample weight ``sigmoid(z_k s + b)`` (``s`` ``[K, 1]``
+      initialised at ones, ``b`` at zero), normalised over the clients to sum
+      to 1; the weighted sum of the clients' logits;
+    * calibrated per class: ``* logit_scale + logit_bias`` (ones, zeros);
+    * a carry gate ``g = sigmoid(w . mean_k h_k + c)`` on the clients' mean
+      features mixes it with the fine-tuned model's logits:
+      ``g * calibrated + (1 - g) * fine-tuned``.
+
+    ``gate_init``: the gate's ``(w [1, d], c [1])`` (the code: PyTorch's default
+    initialisation of a linear layer)."""
+
+    def __init__(self, num_classes: int, gate_init: tuple[torch.Tensor, torch.Tensor]):
+        super().__init__()
+        self.client_scale = nn.Parameter(torch.ones(num_classes, 1))
+        self.client_bias = nn.Parameter(torch.zeros(1))
+        self.logit_scale = nn.Parameter(torch.ones(num_classes))
+        self.logit_bias = nn.Parameter(torch.zeros(num_classes))
+        self.gate = nn.Linear(gate_init[0].shape[1], 1)
+        with torch.no_grad():
+            self.gate.weight.copy_(gate_init[0])
+            self.gate.bias.copy_(gate_init[1])
+
+    def client_weights(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each client's weight per sample, ``[M, N, 1]``, summing to 1 over M."""
+        weights = torch.sigmoid(logits @ self.client_scale + self.client_bias)
+        return weights / weights.sum(dim=0, keepdim=True)
+
+    def carry(self, features: torch.Tensor) -> torch.Tensor:
+        """The carry gate per sample, ``[N, 1]``."""
+        return torch.sigmoid(self.gate(features.mean(dim=0)))
+
+    def forward(self, features: torch.Tensor, logits: torch.Tensor, finetuned: torch.Tensor) -> torch.Tensor:
+        calibrated = (self.client_weights(logits) * logits).sum(dim=0) * self.logit_scale + self.logit_bias
+        carry = self.carry(features)
+        return carry * calibrated + (1 - carry) * finetuned
+
+
+def adam_steps(
+    params: list[torch.Tensor],
+    state: dict[str, Any] | None,
+    lr: float,
+    weight_decay: float,
+    steps: int,
+    loss: Callable[[], torch.Tensor],
+) -> tuple[dict[str, Any], list[float]]:
+    """``steps`` steps of Adam (``lr``, L2 ``weight_decay`` as PyTorch's Adam
+    adds it) on ``loss()`` over ``params``, starting from the optimizer
+    ``state`` a previous call returned (``None``: a new optimizer): FEDIC's
+    code keeps each of its three server optimizers across rounds. Returns the
+    new state and the loss of each step."""
+    optimizer = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if state is not None:
+        optimizer.load_state_dict(state)
+    losses = []
+    for _ in range(steps):
+        value = loss()
+        losses.append(float(value.detach()))
+        optimizer.zero_grad()
+        value.backward()
+        optimizer.step()
+    return optimizer.state_dict(), losses
