@@ -1,5 +1,6 @@
-"""FedWeIT as a plugin: decomposed model, sparse uploads counted as sent,
-retroactive term from the second task, a per-client knowledge base."""
+"""FedWeIT as a plugin: decomposed model, sparse uploads counted as sent
+(A above the code's threshold), retroactive term from the second task, a
+knowledge base with the client's own A's (the code's) or others' only."""
 
 from __future__ import annotations
 
@@ -55,13 +56,23 @@ class Probe:
         self.base_before[round] = {k: v.clone() for k, v in self.fedweit.base.items()}
 
 
+def fedweit_training(tmp_path_factory, **options):
+    probe = Probe()
+    config = tiny_run_config(
+        tmp_path_factory.mktemp("fedweit") / "run", plugins=[FEDWEIT], plugin_options={"fedweit": options}
+    )
+    return run_training(config, extra_plugins=[probe]), probe
+
+
 @pytest.fixture(scope="module")
 def fedweit_run(tmp_path_factory):
-    probe = Probe()
-    results = run_training(
-        tiny_run_config(tmp_path_factory.mktemp("fedweit") / "run", plugins=[FEDWEIT]), extra_plugins=[probe]
-    )
-    return results, probe
+    return fedweit_training(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def others_only_run(tmp_path_factory):
+    """The reading before session 24: other clients' A's only, the top 30% of A, L1 on the masks too."""
+    return fedweit_training(tmp_path_factory, kb_own=False, adaptive_upload="fraction", l1_mask=1e-3, kb_size=3)
 
 
 def test_clients_are_judged_and_every_component_logs(fedweit_run):
@@ -89,10 +100,9 @@ def test_uploads_are_sparse_pairs_counted_as_sent_and_smaller_than_dense(fedweit
             base_bytes = sum(u.numel() * 4 + r.numel() * 4 for u, r in entries["fedweit_base"].values())
             assert base_bytes < dense
             if "fedweit_adaptive" in entries:
-                for idx, val in entries["fedweit_adaptive"].values():
+                for idx, val in entries["fedweit_adaptive"].values():  # the code's hard threshold at lambda_1
                     assert idx.dtype == torch.int32 and idx.numel() == val.numel()
-                adaptive_bytes = sum(i.numel() * 4 + v.numel() * 4 for i, v in entries["fedweit_adaptive"].values())
-                assert adaptive_bytes < dense
+                    assert (val.abs() > 1e-3).all()
             if "fedweit_adaptive" not in entries:
                 assert nbytes < dense  # a whole upload of a mid-task round, as the core counts it
         record = results["rounds"][round - 1]
@@ -108,8 +118,27 @@ def test_server_fuses_the_sparse_bases_and_clients_load_them(fedweit_run):
         assert torch.equal(probe.kb_in_model[(k, 2)][3], probe.base_before[2][name])
 
 
-def test_knowledge_base_of_other_clients_reaches_each_client_at_its_new_task(fedweit_run):
+def test_the_knowledge_base_holds_every_clients_last_task_own_included(fedweit_run):
     _, probe = fedweit_run
+    fedweit = probe.fedweit
+    assert probe.kb_received[(0, 1)] == 0 and probe.kb_received[(1, 1)] == 0
+    assert probe.kb_received[(0, 3)] == 2 and probe.kb_received[(1, 3)] == 2  # both clients' task-0 A's
+    name = next(iter(fedweit.base))
+    first = next(entry for _, task, entry in fedweit.kb if task == 0)
+    for k in (0, 1):
+        used, kb0, alpha, _ = probe.kb_in_model[(k, 3)]
+        assert used == 2 and torch.allclose(alpha[:2].cpu(), torch.full((2,), 0.5))
+        assert torch.equal(kb0.cpu(), to_dense(first[name], kb0.shape).cpu())  # in arrival order
+
+
+def test_the_sparsity_term_is_on_a_alone_by_default(fedweit_run, others_only_run):
+    new, old = fedweit_run[0]["rounds"][0]["losses"], others_only_run[0]["rounds"][0]["losses"]
+    # the masks start at 1 (sum |m| = units), A at 0: the earlier reading's term starts far higher
+    assert new["loss/fedweit_sparsity"] < old["loss/fedweit_sparsity"] / 10
+
+
+def test_knowledge_base_of_other_clients_reaches_each_client_at_its_new_task(others_only_run):
+    _, probe = others_only_run
     fedweit = probe.fedweit
     # round 1: nothing in the knowledge base yet; round 3 = first round of task 1: the other client's A
     assert probe.kb_received[(0, 1)] == 0 and probe.kb_received[(1, 1)] == 0

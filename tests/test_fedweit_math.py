@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from fedaval.plugins.fedweit_math import (
+    above_threshold,
     decompose,
     decomposed_layers,
     effective_weight,
     fuse_sparse,
+    l1_norm,
     masked_base,
     retroactive_loss,
-    sparsity_loss,
     to_dense,
     top_fraction,
     unit_entries,
@@ -67,8 +68,15 @@ def test_fuse_sparse_averages_each_entry_over_its_senders_and_keeps_the_rest():
     assert fused.tolist() == [2.0, 8.5, 6.0, 9.0]
 
 
-def test_sparsity_loss_is_the_l1_of_masks_and_adaptive_parameters():
-    assert sparsity_loss([T([1.0, -2.0])], [T([[0.5, -0.5]])]).item() == 4.0
+def test_l1_norm_sums_over_the_layers():
+    assert l1_norm([T([1.0, -2.0]), T([[0.5, -0.5]])]).item() == 4.0
+
+
+def test_above_threshold_keeps_the_entries_past_it():
+    idx, val = above_threshold(T([[0.5, -5.0], [3.0, -0.001]]), 0.05)
+    assert idx.dtype == torch.int32 and idx.tolist() == [0, 1, 2] and val.tolist() == [0.5, -5.0, 3.0]
+    idx, val = above_threshold(T([0.001, -0.001]), 0.001)  # strictly above
+    assert idx.numel() == 0 and val.numel() == 0
 
 
 def test_retroactive_loss_by_hand():

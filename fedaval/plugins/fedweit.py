@@ -10,20 +10,24 @@ What happens:
 * when a client starts a task (``fedaval_client_task_start``) its mask m is
   reset to ones, its task-adaptive A to zeros and its attention alpha to
   ``1/K`` over the knowledge base it received for this task;
-* local loss (Eq. 2): cross-entropy + ``lambda_1 * sum(|m| + |A|)``
-  (``fedweit_sparsity``) + ``lambda_2 * sum over past tasks i of ||B * m^(i) +
-  R^(i) - theta^(i)||^2`` (``fedweit_retro``, from the client's second task);
+* local loss (Eq. 2): cross-entropy + ``lambda_1 * sum |A|`` (+ ``l1_mask *
+  sum |m|``, 0 as in the official code) (``fedweit_sparsity``) + ``lambda_2 *
+  sum over past tasks i of ||B * m^(i) + R^(i) - theta^(i)||^2``
+  (``fedweit_retro``, from the client's second task);
 * every round the client uploads its sparse base (``fedweit_base``: the
   base's rows of the ``base_fraction`` of output units with the largest
-  |m|, as (int32 unit indices, rows)); at the end of a task also its sparse
-  task-adaptive parameters (``fedweit_adaptive``: the ``adaptive_fraction``
-  of A's entries of largest magnitude, as (int32 flat indices, values));
+  |m|, 0.7 as the official code sends, as (int32 unit indices, rows)); at
+  the end of a task also its sparse task-adaptive parameters
+  (``fedweit_adaptive``: A's entries above ``lambda_1`` in magnitude, the
+  code's hard threshold, or with ``adaptive_upload=fraction`` the
+  ``adaptive_fraction`` of largest magnitude, as (int32 flat indices, values));
 * the server averages the sparse bases entry by entry over the clients that
   sent each entry (sample-weighted; ``fuse_sparse``), appends the uploaded
   A's to its knowledge base, and sends each sampled client the base, plus, in
-  the client's first round of a task, up to ``kb_size`` of the latest A's of
-  *other* clients (``fedaval_server_download``: a per-client download, since
-  a client's own A's are left out).
+  the client's first round of a task, the latest ``kb_size`` A's, the
+  client's own among them as in the official code (which sends every
+  client's A of the previous task; ``kb_own=false`` leaves a client's own
+  out) (``fedaval_server_download``: a per-client download).
 
 Readings and choices where the paper leaves room:
 
@@ -51,15 +55,26 @@ Readings and choices where the paper leaves room:
 * Memory per client: the model's decomposed weights times (3 + ``kb_size``)
   (B, A, the knowledge-base buffer; m is per unit) plus two copies per
   finished task (R^(i) and theta^(i)) for the retroactive term.
-* Defaults: lambda_1 = 1e-3 (the official code's ``lambda_l1``, which it
-  applies to ``A`` only: its mask's L1 weight is 0); lambda_2 = 1
-  (the official 100 is for Adam at lr 1e-3; with SGD lambda_2 * lr must stay
-  well below 1); fractions 0.5 and 0.3 and ``kb_size`` 3 are ours.
+* Defaults, the official code's (wyjeong/FedWeIT, ``config.py``,
+  ``models/fedweit/client.py``, ``models/fedweit/server.py``; read, not
+  copied) where fedaval can follow it: lambda_1 = 1e-3 on ``A`` only
+  (``lambda_l1``; its mask's L1 weight ``lambda_mask`` is 0: ``l1_mask``), 70%
+  of the base's units sent (``client_sparsity`` 0.3 pruned), A thresholded
+  at lambda_1, a knowledge base of 5 entries with the client's own (5
+  clients in its configuration). Not followed: lambda_2 = 1 here (the
+  code's 100 on TensorFlow's ``l2_loss``, half the sum of squares, so 50 on
+  the sum, is for Adam at lr 1e-3 / 3; fedaval trains with SGD, where
+  lambda_2 * lr must stay well below 1); the code starts A at the base / 3
+  and the mask and attention at random values through a sigmoid, where
+  fedaval starts A at 0, m at 1 and alpha at 1/K so that a new task starts
+  from the function the model had; the code also keeps past tasks' A's
+  trainable under L1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from fedaval import hookimpl
 from fedaval.options import non_negative, option
@@ -84,17 +99,21 @@ class FedWeIT(Plugin):
 
     @dataclass
     class Options:
-        l1: float = option(
-            1e-3, "lambda_1: weight of the L1 sparsity of masks and task-adaptive A (Eq. 2)", non_negative
-        )
+        l1: float = option(1e-3, "lambda_1: weight of the L1 sparsity of the task-adaptive A (Eq. 2)", non_negative)
+        l1_mask: float = option(0.0, "weight of the L1 sparsity of the masks (the code's lambda_mask)", non_negative)
         retro: float = option(1.0, "lambda_2: weight of the retroactive term on past tasks (Eq. 2)", non_negative)
         base_fraction: float = option(
-            0.5, "fraction of output units (largest |mask|) whose base is uploaded", _fraction
+            0.7, "fraction of output units (largest |mask|) whose base is uploaded", _fraction
+        )
+        adaptive_upload: Literal["threshold", "fraction"] = option(
+            "threshold",
+            "A's entries uploaded at a task's end: those above l1 in magnitude, or adaptive_fraction of them",
         )
         adaptive_fraction: float = option(
-            0.3, "fraction of A's entries (largest |A|) uploaded at a task's end", _fraction
+            0.3, "fraction of A's entries (largest |A|) uploaded with adaptive_upload=fraction", _fraction
         )
-        kb_size: int = option(3, "at most this many other clients' A's in a client's knowledge base", non_negative)
+        kb_size: int = option(5, "at most this many A's (the latest) in a client's knowledge base", non_negative)
+        kb_own: bool = option(True, "the knowledge base includes the client's own A's (the code's)")
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -134,8 +153,8 @@ class FedWeIT(Plugin):
         knowledge base: the latest ``kb_size`` A's of other clients (sparse)."""
         out = {"fedweit_base": self.base}
         if run.now.task not in client.tasks_started and client.has_task(run.now.task) and self.options.kb_size > 0:
-            others = [entry for cid, _, entry in self.kb if cid != client.id]
-            out["fedweit_kb"] = others[-self.options.kb_size :]
+            entries = [entry for cid, _, entry in self.kb if self.options.kb_own or cid != client.id]
+            out["fedweit_kb"] = entries[-self.options.kb_size :]
         return out
 
     # --- client round -----------------------------------------------------------
@@ -166,14 +185,18 @@ class FedWeIT(Plugin):
     def fedaval_client_loss(self, run, client, batch):
         import torch
 
-        from fedaval.plugins.fedweit_math import decomposed_layers, retroactive_loss, sparsity_loss
+        from fedaval.plugins.fedweit_math import decomposed_layers, l1_norm, retroactive_loss
 
+        o = self.options
         layers = decomposed_layers(client.model)
         terms = {}
-        if self.options.l1 > 0:
-            terms["fedweit_sparsity"] = self.options.l1 * sparsity_loss(
-                [m.mask for m in layers.values()], [m.adaptive for m in layers.values()]
-            )
+        sparsity = []
+        if o.l1 > 0:
+            sparsity.append(o.l1 * l1_norm([m.adaptive for m in layers.values()]))
+        if o.l1_mask > 0:
+            sparsity.append(o.l1_mask * l1_norm([m.mask for m in layers.values()]))
+        if sparsity:
+            terms["fedweit_sparsity"] = torch.stack(sparsity).sum()
         past = client.stash.get(PAST)
         if self.options.retro > 0 and past:
             retro = torch.stack([retroactive_loss(layer.base, past[name]) for name, layer in layers.items()]).sum()
@@ -199,13 +222,17 @@ class FedWeIT(Plugin):
     # --- upload and fusion ------------------------------------------------------
     @hookimpl
     def fedaval_client_upload(self, run, client):
-        from fedaval.plugins.fedweit_math import decomposed_layers, masked_base, top_fraction
+        from fedaval.plugins.fedweit_math import above_threshold, decomposed_layers, masked_base, top_fraction
 
+        o = self.options
         layers = decomposed_layers(client.model)
-        out = {"fedweit_base": {n: masked_base(m.base, m.mask, self.options.base_fraction) for n, m in layers.items()}}
+        out = {"fedweit_base": {n: masked_base(m.base, m.mask, o.base_fraction) for n, m in layers.items()}}
         if client.stash.pop(SEND_ADAPTIVE, False):
             out["fedweit_adaptive"] = {
-                n: top_fraction(m.adaptive, self.options.adaptive_fraction) for n, m in layers.items()
+                n: above_threshold(m.adaptive, o.l1)
+                if o.adaptive_upload == "threshold"
+                else top_fraction(m.adaptive, o.adaptive_fraction)
+                for n, m in layers.items()
             }
         return out
 

@@ -108,11 +108,19 @@ def fuse_sparse(previous: torch.Tensor, payloads: Sequence[Sparse], weights: Seq
     return out.to(previous.dtype).reshape(previous.shape)
 
 
-def sparsity_loss(masks: Sequence[torch.Tensor], adaptives: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Eq. (2), second term: ``sum_l ||m_l||_1 + ||A_l||_1`` over the layers
-    (the weight lambda_1 is applied by the caller)."""
-    terms = [m.abs().sum() for m in masks] + [a.abs().sum() for a in adaptives]
-    return torch.stack(terms).sum()
+def l1_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sum_l ||t_l||_1`` over the layers: Eq. (2)'s sparsity term of the
+    masks or of the task-adaptive parameters (each weight is the caller's)."""
+    return torch.stack([t.abs().sum() for t in tensors]).sum()
+
+
+def above_threshold(values: torch.Tensor, threshold: float) -> Sparse:
+    """The entries of magnitude above ``threshold`` (the official code's hard
+    threshold on A before it is sent): their flat indices (int32, sorted) and
+    values; none when no entry exceeds it."""
+    flat = values.detach().reshape(-1)
+    idx = torch.nonzero(flat.abs() > threshold).flatten()
+    return idx.to(torch.int32), flat[idx].clone()
 
 
 def retroactive_loss(
