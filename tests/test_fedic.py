@@ -154,7 +154,8 @@ def test_adam_steps_continue_from_the_kept_state():
 # --- real runs -----------------------------------------------------------------
 
 STHFL = dict(scenario="sthfl", scenario_options={"clients": 3, "classes_per_task": 3, "tasks": 2, "imbalance": 4.0})
-SMALL = {"proxy_per_class": 3, "gate_steps": 20, "distill_steps": 20, "steps": 20}
+SMALL = {"proxy_per_class": 3, "steps": 20}
+LOGIT_ADJUST_SMALL = {"proxy_per_class": 3, "gate_steps": 20, "distill_steps": 20}
 
 
 class Probe:
@@ -186,9 +187,10 @@ def fedic_training(tmp_path_factory, **options):
     from fedaval.config import RunConfig
 
     probe = Probe()
+    small = LOGIT_ADJUST_SMALL if options.get("teacher") == "logit-adjust" else SMALL
     config = RunConfig(
         plugins=[PLUGIN],
-        plugin_options={"fedic": {**SMALL, **options}},
+        plugin_options={"fedic": {**small, **options}},
         dataset="digits",
         rounds_per_task=2,
         local_epochs=1,
@@ -237,6 +239,25 @@ def test_the_unlabelled_images_are_what_is_distilled_on(fedic_run, tmp_path_fact
     proxy_only, _ = fedic_training(tmp_path_factory)  # no unlabelled dataset: the proxy images
     with_other, _ = fedic_run
     assert proxy_only["rounds"][0]["plugin_metrics"]["fedic"] != with_other["rounds"][0]["plugin_metrics"]["fedic"]
+
+
+def test_the_other_teachers_options_are_refused(tmp_path):
+    line = one_line_error(["train", "--plugins", PLUGIN, "-o", "fedic.tau=2", "--out", str(tmp_path / "a")])
+    assert "fedic.tau applies to fedic.teacher=logit-adjust only" in line
+    line = one_line_error(
+        [
+            "train",
+            "--plugins",
+            PLUGIN,
+            "-o",
+            "fedic.teacher=logit-adjust",
+            "-o",
+            "fedic.steps=5",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert "fedic.steps applies to fedic.teacher=code only" in line
 
 
 def test_a_bad_unlabelled_dataset_is_a_one_line_error(tmp_path):

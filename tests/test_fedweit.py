@@ -163,3 +163,8 @@ def test_past_tasks_are_stored_for_the_retroactive_term(fedweit_run):
 def test_bad_fraction_is_a_one_line_error():
     line = one_line_error(["train", "--plugins", FEDWEIT, "-o", "fedweit.base_fraction=0"])
     assert "fedweit.base_fraction" in line and "(0, 1]" in line
+
+
+def test_a_fraction_without_the_fraction_upload_is_refused():
+    line = one_line_error(["train", "--plugins", FEDWEIT, "-o", "fedweit.adaptive_fraction=0.5"])
+    assert "fedweit.adaptive_fraction applies to fedweit.adaptive_upload=fraction only" in line

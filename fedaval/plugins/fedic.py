@@ -162,6 +162,7 @@ class FEDIC(Plugin):
         from fedaval.unlabelled import load_unlabelled
 
         o = self.options
+        refuse_other_teachers_options(o)
         if o.teacher == "code" and o.unlabelled:
             self.unlabelled_x = load_unlabelled(
                 run, "fedic.unlabelled", o.unlabelled, o.unlabelled_root, o.unlabelled_classes, o.unlabelled_samples
@@ -326,6 +327,44 @@ class FEDIC(Plugin):
     @hookimpl
     def fedaval_round_metrics(self, run, round):
         return dict(self.metrics) or None
+
+
+LOGIT_ADJUST_ONLY = (
+    "tau",
+    "smoothing",
+    "calibration",
+    "gate_steps",
+    "gate_lr",
+    "distill_steps",
+    "distill_lr",
+    "distill_batch",
+)
+CODE_ONLY = (
+    "unlabelled",
+    "unlabelled_root",
+    "unlabelled_classes",
+    "unlabelled_samples",
+    "steps",
+    "server_lr",
+    "server_weight_decay",
+    "labelled_batch",
+    "unlabelled_batch",
+    "soft_weight",
+)
+
+
+def refuse_other_teachers_options(options: FEDICOptions) -> None:
+    """An option of the other teacher, set to other than its default, would
+    do nothing: a one-line error names it."""
+    other = LOGIT_ADJUST_ONLY if options.teacher == "code" else CODE_ONLY
+    defaults = FEDICOptions()
+    changed = [name for name in other if getattr(options, name) != getattr(defaults, name)]
+    if changed:
+        owner = "logit-adjust" if options.teacher == "code" else "code"
+        raise FedavalUsageError(
+            f"fedic.{changed[0]} applies to fedic.teacher={owner} only, but fedic.teacher={options.teacher}; "
+            f"drop it or set -o fedic.teacher={owner}"
+        )
 
 
 @torch.no_grad()

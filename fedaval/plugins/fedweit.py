@@ -77,6 +77,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fedaval import hookimpl
+from fedaval.errors import FedavalUsageError
 from fedaval.options import non_negative, option
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
@@ -122,6 +123,15 @@ class FedWeIT(Plugin):
         self.shapes: dict = {}  # layer -> base shape
 
     # --- set-up ---------------------------------------------------------------
+    @hookimpl
+    def fedaval_setup(self, run):
+        o = self.options
+        if o.adaptive_upload == "threshold" and o.adaptive_fraction != type(o)().adaptive_fraction:
+            raise FedavalUsageError(
+                "fedweit.adaptive_fraction applies to fedweit.adaptive_upload=fraction only (the default uploads "
+                "A's entries above fedweit.l1); add -o fedweit.adaptive_upload=fraction or drop it"
+            )
+
     @hookimpl
     def fedaval_make_model(self, run, client_id):
         from fedaval.models import build_model
