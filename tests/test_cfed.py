@@ -262,3 +262,8 @@ def test_cfed_with_a_method_that_shares_no_weights_is_refused():
         ]
     )
     assert "cfed distils into the global model" in line and "fedweit" in line and "clients" in line
+
+
+def test_server_options_with_the_server_distillation_off_are_refused():
+    line = one_line_error(["train", "--plugins", CFED, "-o", "cfed.surrogate=imagefolder", "-o", "cfed.server_lr=0.1"])
+    assert "cfed.server_lr applies to the server distillation, which is off" in line

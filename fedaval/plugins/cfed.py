@@ -135,6 +135,13 @@ class CFeD(Plugin):
     def fedaval_setup(self, run):
         import torch
 
+        o, defaults = self.options, type(self.options)()
+        unused = [n for n in ("server_lr", "server_batch_size") if getattr(o, n) != getattr(defaults, n)]
+        if o.server_epochs == 0 and unused:
+            raise FedavalUsageError(
+                f"cfed.{unused[0]} applies to the server distillation, which is off (cfed.server_epochs=0, as in "
+                "CFeD's code); add -o cfed.server_epochs=N or drop it"
+            )
         if run.hook.fedaval_federation_model(run=run) == "clients":
             others = [n for n in run.plugins.names if n not in ("cfed", "fedavg", "core")]
             raise FedavalUsageError(
