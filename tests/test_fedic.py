@@ -114,7 +114,7 @@ def test_calibrated_ensemble_by_hand():
     # two clients, two classes, at initialisation: client weights sigmoid(z_k . 1) normalised over the
     # clients, scale 1 and bias 0 per class, a carry gate of w = 0, c = 0 (1/2)
     ensemble = CalibratedEnsemble(2, (torch.zeros(1, 3), torch.zeros(1)))
-    logits = t([[2.0, 0.0]], [[0.0, -2.0]])[:, None, :]  # [M=2, N=1, K=2]
+    logits = t([[2.0, 0.0]], [[0.0, -2.0]])  # [M=2, N=1, K=2]
     features = torch.randn(2, 1, 3)
     w = torch.sigmoid(torch.tensor([2.0, -2.0]))
     w = w / w.sum()
@@ -131,6 +131,17 @@ def test_calibrated_ensemble_by_hand():
     assert torch.allclose(
         gated(features, logits, finetuned), mixed * torch.tensor([2.0, 1.0]) + torch.tensor([0.0, 1.0])
     )
+
+
+def test_client_weights_stay_finite_where_every_sigmoid_underflows():
+    ensemble = CalibratedEnsemble(2, (torch.zeros(1, 3), torch.zeros(1)))
+    logits = t([[-60.0, -60.0]], [[-55.0, -55.0]])  # [M=2, N=1, K=2]; a = -120 and -110: sigmoid(a) is 0 in float32
+    assert float(torch.sigmoid(torch.tensor(-120.0))) == 0.0
+    weights = ensemble.client_weights(logits)
+    assert torch.isfinite(weights).all() and torch.allclose(weights.sum(0), torch.ones(1, 1))
+    # sigmoid(a) ~ exp(a) there: the weights are the softmax of a, the second client's e^10 times the first's
+    assert weights.shape == (2, 1, 1)
+    assert torch.allclose(weights.flatten(), torch.softmax(torch.tensor([-120.0, -110.0]), 0))
 
 
 def test_adam_steps_continue_from_the_kept_state():

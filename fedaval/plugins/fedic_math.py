@@ -155,9 +155,11 @@ class CalibratedEnsemble(nn.Module):
             self.gate.bias.copy_(gate_init[1])
 
     def client_weights(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each client's weight per sample, ``[M, N, 1]``, summing to 1 over M."""
-        weights = torch.sigmoid(logits @ self.client_scale + self.client_bias)
-        return weights / weights.sum(dim=0, keepdim=True)
+        """Each client's weight per sample, ``[M, N, 1]``, summing to 1 over M:
+        ``sigmoid(a_k) / sum_j sigmoid(a_j)``, computed as a softmax of
+        ``log sigmoid(a_k)`` (the same value; the plain quotient is 0 / 0 once
+        every client's ``a`` is below about -88, where float32's sigmoid is 0)."""
+        return torch.softmax(F.logsigmoid(logits @ self.client_scale + self.client_bias), dim=0)
 
     def carry(self, features: torch.Tensor) -> torch.Tensor:
         """The carry gate per sample, ``[N, 1]``."""
