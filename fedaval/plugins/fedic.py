@@ -256,15 +256,15 @@ class FEDIC(Plugin):
             images, labels = labelled()
             return F.cross_entropy(finetuned(images), labels)
 
-        with in_mode(finetuned, training=True):
-            self.optimizers["finetune"], _ = adam_steps(
-                list(finetuned.parameters()),
-                self.optimizers.get("finetune"),
-                o.server_lr,
-                o.server_weight_decay,
-                o.steps,
-                finetune_loss,
+        def phase(name: str, params: list[torch.Tensor], weight_decay: float, loss) -> list[float]:
+            """``o.steps`` Adam steps on ``loss``, the phase's optimizer state kept across rounds."""
+            self.optimizers[name], losses = adam_steps(
+                params, self.optimizers.get(name), o.server_lr, weight_decay, o.steps, loss
             )
+            return losses
+
+        with in_mode(finetuned, training=True):
+            phase("finetune", list(finetuned.parameters()), o.server_weight_decay, finetune_loss)
         finetuned.eval()
         ensemble = self.calibrated_ensemble(run, server)
 
@@ -272,14 +272,7 @@ class FEDIC(Plugin):
             images, labels = labelled()
             return F.cross_entropy(ensemble(*teacher_view(images)), labels)
 
-        self.optimizers["calibration"], _ = adam_steps(
-            list(ensemble.parameters()),
-            self.optimizers.get("calibration"),
-            o.server_lr,
-            0.0,
-            o.steps,
-            calibration_loss,
-        )
+        phase("calibration", list(ensemble.parameters()), 0.0, calibration_loss)
         self.calibration = {k: v.detach().clone() for k, v in ensemble.state_dict().items()}
 
         def distillation_loss() -> torch.Tensor:
@@ -295,14 +288,7 @@ class FEDIC(Plugin):
             return o.soft_weight * soft + (1 - o.soft_weight) * F.cross_entropy(server(images), labels)
 
         with in_mode(server, training=True):
-            self.optimizers["distil"], losses = adam_steps(
-                list(server.parameters()),
-                self.optimizers.get("distil"),
-                o.server_lr,
-                o.server_weight_decay,
-                o.steps,
-                distillation_loss,
-            )
+            losses = phase("distil", list(server.parameters()), o.server_weight_decay, distillation_loss)
         with torch.no_grad():
             features, logits, tuned = teacher_view(x)
             calibrated = ensemble(features, logits, tuned)
