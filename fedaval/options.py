@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any, Literal, get_args, get_origin
 
 from fedaval.errors import FedavalUsageError
@@ -137,6 +138,14 @@ def at_least_one(value: int) -> str | None:
 
 def unit_interval(value: float) -> str | None:
     return None if 0 <= value <= 1 else "must be in [0, 1]"
+
+
+def changed(options: Any, names: Sequence[str]) -> list[str]:
+    """Those of ``names`` whose value in ``options`` (an options dataclass)
+    differs from the dataclass's default: the options a user set, for a
+    plugin that refuses ones its other settings leave without effect."""
+    defaults = type(options)()
+    return [name for name in names if getattr(options, name) != getattr(defaults, name)]
 
 
 def option(default: Any, help: str, check=None) -> Any:

@@ -21,7 +21,6 @@ from fedaval.plugins.creff import ENTRY, HEAD, CReFF, fresh_linear, real_gradien
 from fedaval.plugins.creff_math import (
     AUGMENTATIONS,
     class_gradients_closed_form,
-    classifier_gradient,
     matching_distance,
     matching_loss,
     per_class_gradients,
@@ -41,13 +40,26 @@ def t(*values):
 # --- maths -------------------------------------------------------------------
 
 
+def classifier_gradient(features, labels, weight, bias):
+    """The reference: ``dL/dW`` of the mean cross-entropy, by autograd."""
+    weight = weight.detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(F.cross_entropy(F.linear(features, weight, bias), labels), weight)
+    return grad
+
+
+def class_gradient(features, labels, weight, bias):
+    """What a client computes for one class (:func:`per_class_gradients`, closed form)."""
+    (grad,) = per_class_gradients(features, labels, weight, bias).values()
+    return grad
+
+
 def test_classifier_gradient_by_hand():
     # W = 0, b = 0: softmax is uniform (1/2, 1/2). One sample f = (1, 2) of class 0:
     # dL/dW = (p - onehot)^T f = [[-1/2 * 1, -1/2 * 2], [1/2 * 1, 1/2 * 2]]
-    g = classifier_gradient(t([1, 2]), torch.tensor([0]), torch.zeros(2, 2), torch.zeros(2))
+    g = class_gradient(t([1, 2]), torch.tensor([0]), torch.zeros(2, 2), torch.zeros(2))
     assert torch.allclose(g, t([-0.5, -1.0], [0.5, 1.0]))
     # two samples of class 1, f = (2, 0) and (0, 4): the mean of the two gradients
-    g = classifier_gradient(t([2, 0], [0, 4]), torch.tensor([1, 1]), torch.zeros(2, 2), torch.zeros(2))
+    g = class_gradient(t([2, 0], [0, 4]), torch.tensor([1, 1]), torch.zeros(2, 2), torch.zeros(2))
     assert torch.allclose(g, t([0.5, 1.0], [-0.5, -1.0]))
 
 
@@ -55,7 +67,7 @@ def test_classifier_gradient_with_weights_by_hand():
     # W = [[ln 3, 0], [0, 0]], f = (1, 0): logits (ln 3, 0), softmax (3/4, 1/4); class 0:
     # dL/dW = [[(3/4 - 1) * 1, 0], [1/4 * 1, 0]]
     w = torch.tensor([[math.log(3), 0.0], [0.0, 0.0]])
-    g = classifier_gradient(t([1, 0]), torch.tensor([0]), w, torch.zeros(2))
+    g = class_gradient(t([1, 0]), torch.tensor([0]), w, torch.zeros(2))
     assert torch.allclose(g, t([-0.25, 0.0], [0.25, 0.0]))
 
 

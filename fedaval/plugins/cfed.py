@@ -75,7 +75,7 @@ from typing import Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import non_negative, option, positive, unit_interval
+from fedaval.options import changed, non_negative, option, positive, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -135,8 +135,8 @@ class CFeD(Plugin):
     def fedaval_setup(self, run):
         import torch
 
-        o, defaults = self.options, type(self.options)()
-        unused = [n for n in ("server_lr", "server_batch_size") if getattr(o, n) != getattr(defaults, n)]
+        o = self.options
+        unused = changed(o, ("server_lr", "server_batch_size"))
         if o.server_epochs == 0 and unused:
             raise FedavalUsageError(
                 f"cfed.{unused[0]} applies to the server distillation, which is off (cfed.server_epochs=0, as in "

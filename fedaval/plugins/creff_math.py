@@ -27,25 +27,6 @@ import torch.nn.functional as F
 GradientSet = dict[int, torch.Tensor]
 
 
-def classifier_gradient(
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    create_graph: bool = False,
-) -> torch.Tensor:
-    """``dL/dW`` of ``L = mean_i CE(W f_i + b, y_i)`` (a client's real-feature
-    gradient of one class when every ``y_i`` is that class). In closed form it is
-    ``(softmax(Z) - onehot(Y))^T F / n``; computed by autograd so that with
-    ``create_graph=True`` it stays differentiable in ``features`` (the
-    federated features are optimised through it)."""
-    weight = weight.detach().requires_grad_(True)
-    logits = F.linear(features, weight, None if bias is None else bias.detach())
-    loss = F.cross_entropy(logits, labels)
-    (grad,) = torch.autograd.grad(loss, weight, create_graph=create_graph)
-    return grad
-
-
 def per_class_gradients(
     features: torch.Tensor,
     labels: torch.Tensor,
@@ -95,7 +76,7 @@ def class_gradients_closed_form(
     ``features`` is ``[C, m, d]`` (m features of each of C classes),
     ``classes`` their C labels; returns ``[C, K, d]`` with
     ``G_c = (softmax(F_c W^T + b) - onehot(c))^T F_c / m``, the gradient of the
-    mean cross-entropy of class c's features (:func:`classifier_gradient`,
+    mean cross-entropy of class c's features (what autograd gives,
     vectorised); with ``with_bias``, ``[C, K, d + 1]``, the bias's gradient
     (the mean of the residual ``softmax - onehot``) as the last column.
     Differentiable in ``features``."""

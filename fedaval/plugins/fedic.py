@@ -85,7 +85,7 @@ import torch.nn.functional as F
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
 from fedaval.models import SplitModel, in_mode
-from fedaval.options import at_least_one, non_negative, option, positive, unit_interval
+from fedaval.options import at_least_one, changed, non_negative, option, positive, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.plugins.creff import fresh_linear, require_shared_head
 from fedaval.plugins.fedic_math import (
@@ -342,13 +342,11 @@ CODE_ONLY = (
 def refuse_other_teachers_options(options: FEDICOptions) -> None:
     """An option of the other teacher, set to other than its default, would
     do nothing: a one-line error names it."""
-    other = LOGIT_ADJUST_ONLY if options.teacher == "code" else CODE_ONLY
-    defaults = FEDICOptions()
-    changed = [name for name in other if getattr(options, name) != getattr(defaults, name)]
-    if changed:
+    unused = changed(options, LOGIT_ADJUST_ONLY if options.teacher == "code" else CODE_ONLY)
+    if unused:
         owner = "logit-adjust" if options.teacher == "code" else "code"
         raise FedavalUsageError(
-            f"fedic.{changed[0]} applies to fedic.teacher={owner} only, but fedic.teacher={options.teacher}; "
+            f"fedic.{unused[0]} applies to fedic.teacher={owner} only, but fedic.teacher={options.teacher}; "
             f"drop it or set -o fedic.teacher={owner}"
         )
 

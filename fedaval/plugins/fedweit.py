@@ -78,7 +78,7 @@ from typing import Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import non_negative, option
+from fedaval.options import changed, non_negative, option
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -126,7 +126,7 @@ class FedWeIT(Plugin):
     @hookimpl
     def fedaval_setup(self, run):
         o = self.options
-        if o.adaptive_upload == "threshold" and o.adaptive_fraction != type(o)().adaptive_fraction:
+        if o.adaptive_upload == "threshold" and changed(o, ("adaptive_fraction",)):
             raise FedavalUsageError(
                 "fedweit.adaptive_fraction applies to fedweit.adaptive_upload=fraction only (the default uploads "
                 "A's entries above fedweit.l1); add -o fedweit.adaptive_upload=fraction or drop it"
