@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedaval.config import RunConfig
 from fedaval.errors import FedavalUsageError, RunFailure
+
+if TYPE_CHECKING:
+    from fedaval.coordinator import TimeLimit
 
 
 def run_training(
@@ -15,6 +18,7 @@ def run_training(
     extra_plugins: Sequence[Any] = (),
     show_progress: bool = False,
     echo: Callable[[str], None] | None = None,
+    time_limit: TimeLimit | None = None,
 ) -> dict[str, Any]:
     """Build a :class:`~fedaval.run.Run` from ``settings`` (the CLI's options
     or a :class:`RunConfig`), train it, and return results.json's content.
@@ -22,7 +26,8 @@ def run_training(
     ``extra_plugins`` are plugin objects registered after ``settings.plugins``
     (tests use it to add probes). The run folder is ``settings.out``, or a new
     folder under ``runs/``; an existing folder that holds results is refused,
-    so earlier results are never overwritten."""
+    so earlier results are never overwritten. ``time_limit``: ``--time-limit``
+    (:class:`fedaval.coordinator.TimeLimit`)."""
     from fedaval.atomic import atomic_write_json
     from fedaval.build import build_run
 
@@ -34,7 +39,7 @@ def run_training(
         atomic_write_json(out_dir / "config.json", config.to_dict())
     except OSError as exc:
         raise RunFailure(f"cannot write {out_dir / 'config.json'} ({exc.strerror}); nothing was trained") from None
-    results = _train(run, None, show_progress)
+    results = _train(run, None, show_progress, time_limit)
     if echo is not None:
         echo(format_summary(results, out_dir))
     return results
@@ -114,6 +119,7 @@ def resume_training(
     extra_plugins: Sequence[Any] = (),
     show_progress: bool = False,
     echo: Callable[[str], None] | None = None,
+    time_limit: TimeLimit | None = None,
 ) -> dict[str, Any]:
     """Continue the run in ``run_dir`` from its newest checkpoint (``fedaval
     train --resume``) and return its results.
@@ -152,13 +158,15 @@ def resume_training(
     if echo is not None:
         done = "already complete" if round >= run.total_rounds else f"resuming at round {round + 1}"
         echo(f"{out_dir}: checkpoint of round {round} of {run.total_rounds} loaded; {done}")
-    results = _train(run, results, show_progress)
+    results = _train(run, results, show_progress, time_limit)
     if echo is not None:
         echo(format_summary(results, out_dir))
     return results
 
 
-def _train(run: Any, results: dict[str, Any] | None, show_progress: bool) -> dict[str, Any]:
+def _train(
+    run: Any, results: dict[str, Any] | None, show_progress: bool, time_limit: TimeLimit | None = None
+) -> dict[str, Any]:
     """:func:`fedaval.coordinator.train` on the run's ``--backend``, with an
     optional progress bar."""
     from fedaval.backends import make_backend
@@ -186,7 +194,7 @@ def _train(run: Any, results: dict[str, Any] | None, show_progress: bool) -> dic
         bar.update(1)
 
     try:
-        return train(run, on_round=on_round, results=results, backend=backend)
+        return train(run, on_round=on_round, results=results, backend=backend, time_limit=time_limit)
     finally:
         if bar is not None:
             bar.close()

@@ -7,12 +7,13 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fedaval import checkpoint
 from fedaval.atomic import atomic_write_json
 from fedaval.backends.local import Backend, ClientRound, LocalBackend
-from fedaval.errors import FedavalUsageError, RunFailure, RunInterrupted
+from fedaval.errors import FedavalUsageError, RunFailure, RunInterrupted, RunStopped
 from fedaval.evaluation import (
     STREAM_ACC,
     STREAM_BWT,
@@ -292,11 +293,41 @@ def new_results(run: Run) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class TimeLimit:
+    """``--time-limit``: ``seconds`` counted from ``start`` (``time.monotonic()``
+    when the command began, so that reading the data and building the clients
+    count too, as they do for a batch scheduler's wall-clock limit).
+
+    :func:`train` stops before a round that might not end in time: when the
+    time left is less than the run's longest round so far (the records'
+    ``seconds``, rounds before a resume included) plus what its last
+    checkpoint kept training waiting. So a round is never cut off by the
+    limit, at the price of stopping up to one longest round early; a run
+    always trains at least its first round. The state after the last finished
+    round is then checkpointed (when the schedule had not already), and
+    ``--resume`` goes on from it with nothing lost."""
+
+    seconds: float
+    start: float
+
+    def left(self) -> float:
+        return self.start + self.seconds - time.monotonic()
+
+    def reached(self, results: dict[str, Any], checkpoint_wait: float) -> bool:
+        """Whether the next round should not start (never before any round ran)."""
+        if not results["rounds"]:
+            return False
+        longest = max(r["seconds"] for r in results["rounds"])
+        return self.left() < longest + checkpoint_wait
+
+
 def train(
     run: Run,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     results: dict[str, Any] | None = None,
     backend: Backend | None = None,
+    time_limit: TimeLimit | None = None,
 ) -> dict[str, Any]:
     """Run every task and round. With an output folder, after each round: its
     record is appended to ``rounds.jsonl`` (:data:`ROUNDS_FILE`), a checkpoint
@@ -314,6 +345,9 @@ def train(
     A full disk while writing stops the run with a :class:`RunFailure`
     naming the resume command; the previous results.json and checkpoint stay.
 
+    With ``time_limit`` (:class:`TimeLimit`) the run may stop between two
+    rounds, its state checkpointed: :class:`RunStopped`, status ``stopped``.
+
     ``results`` (from :func:`fedaval.checkpoint.restore`) continues a run
     after the rounds it already holds. A run that is already complete gets
     its results.json rewritten from them (it may have been damaged).
@@ -326,7 +360,7 @@ def train(
     try:
         if run.out_dir is not None:  # the rounds so far (a resumed run: those of its checkpoint)
             _write(run, lambda: rewrite_rounds(run.out_dir, results["rounds"]))
-        _train_rounds(run, results, on_round, backend or make_backend(run))
+        _train_rounds(run, results, on_round, backend or make_backend(run), time_limit)
         set_status(run, results, "complete")
         results["final"] = final_summary(results)
         out = run.out_dir
@@ -338,6 +372,10 @@ def train(
     except KeyboardInterrupt:
         _mark_stopped(run, results, "interrupted")
         raise RunInterrupted(interrupted_message(run, results)) from None
+    except RunStopped:
+        assert time_limit is not None, "only a time limit stops a run this way"
+        _mark_stopped(run, results, "stopped")
+        raise RunStopped(stopped_message(run, results, time_limit)) from None
     except BaseException:
         _mark_stopped(run, results, "failed")
         raise
@@ -436,22 +474,30 @@ def final_summary(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train_rounds(
-    run: Run, results: dict[str, Any], on_round: Callable[[dict[str, Any]], None] | None, backend: Backend
+    run: Run,
+    results: dict[str, Any],
+    on_round: Callable[[dict[str, Any]], None] | None,
+    backend: Backend,
+    time_limit: TimeLimit | None = None,
 ) -> None:
     """The rounds :func:`train` has left to run, appended to ``results``."""
     matrix: list[list[float | None] | None] = [t["accuracy"] for t in results["tasks"]]
     done = len(results["rounds"])
     schedule = ResultsSchedule()
     checkpoints = checkpoint.Schedule(run)
+    checkpointed = done  # the round whose state the newest checkpoint holds (a resume: the one loaded)
     for task in range(run.num_tasks):
         rounds = [r for r in run.rounds_of_task(task) if r > done]
-        if not rounds:
-            continue
-        if rounds[0] == run.rounds_of_task(task)[0]:
-            run.enter_round(rounds[0])
-            run.server.begin_task(task)
-            run.hook.fedaval_server_task_start(run=run, task=task)
         for round in rounds:
+            if time_limit is not None and time_limit.reached(results, checkpoints.cost):
+                # nothing of the next round has run yet: the state is the last finished round's
+                if run.out_dir is not None and checkpointed != round - 1:
+                    _write(run, lambda: checkpoints.save(run, results))
+                raise RunStopped
+            if round == run.rounds_of_task(task)[0]:
+                run.enter_round(round)
+                run.server.begin_task(task)
+                run.hook.fedaval_server_task_start(run=run, task=task)
             try:
                 record = run_round(run, round, backend)
             except RunFailure as exc:
@@ -484,6 +530,7 @@ def _train_rounds(
                 _write(run, lambda: append_round(run.out_dir, record))  # noqa: B023 - called at once
                 if checkpoints.due(run, round, record["task_end"]):
                     _write(run, lambda: checkpoints.save(run, results))
+                    checkpointed = round
                 if write_results:
                     _write(run, lambda: schedule.write(run, results))
             if on_round is not None:
@@ -552,6 +599,19 @@ def interrupted_message(run: Run, results: dict[str, Any]) -> str:
         f"{where}; the run folder {run.out_dir} is intact (newest checkpoint: round {latest[0][0]}); "
         f"continue with: fedaval train --resume {run.out_dir}"
     )
+
+
+def stopped_message(run: Run, results: dict[str, Any], time_limit: TimeLimit) -> str:
+    _finish_writes(run)
+    done = len(results["rounds"])
+    longest = max(r["seconds"] for r in results["rounds"])
+    where = (
+        f"stopped after round {done} of {run.total_rounds} by --time-limit {time_limit.seconds:g}: "
+        f"{max(time_limit.left(), 0):.1f} s left, the longest round took {longest:.1f} s"
+    )
+    if run.out_dir is None:
+        return where
+    return f"{where}; the run folder {run.out_dir} holds round {done}'s checkpoint; continue with: fedaval train --resume {run.out_dir}"
 
 
 def client_failed(run: Run, result: ClientRound, round: int) -> dict[str, Any]:

@@ -18,6 +18,13 @@ class RunInterrupted(Exception):
     exits 130. The results and checkpoints written so far stay."""
 
 
+class RunStopped(Exception):
+    """A run stopped at its ``--time-limit``: between two rounds, with the
+    last finished round's checkpoint saved. The message names the round and
+    the ``--resume`` command; the CLI prints it on one line and exits 75
+    (``EX_TEMPFAIL``: the run is not finished, try again)."""
+
+
 def choice_error(what: str, value: object, allowed) -> FedavalUsageError:
     """Build the standard 'unknown X' error listing the allowed values."""
     allowed_text = ", ".join(str(a) for a in allowed) or "(none)"

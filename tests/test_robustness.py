@@ -62,6 +62,65 @@ def test_sigterm_says_the_round_and_the_resume_command_then_resume_completes(tmp
     assert results_of(out)["status"] == {"state": "complete", "rounds_done": 4, "rounds_total": 4}
 
 
+def test_a_time_limit_stops_between_rounds_checkpoints_and_resumes_to_the_whole_run(tmp_path):
+    """``--time-limit``: the run stops before a round that might not end in
+    time, with the last finished round checkpointed (here round 1, which the
+    ``auto`` schedule does not checkpoint on digits), so nothing is redone."""
+    from fedaval import checkpoint
+
+    args = [a for a in TINY if a not in ("--checkpoint-every", "1")]  # the default schedule, auto
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    result = CliRunner().invoke(cli, ["train", "--out", str(whole), "--time-limit", "3600", *args])
+    assert result.exit_code == 0, result.output
+
+    # 1 microsecond: round 1 always runs, then the longest round so far no longer fits
+    line = one_line_error(["train", "--out", str(out), "--time-limit", "1e-6", *args], code=75)
+    assert line.startswith("fedaval: stopped after round 1 of 4 by --time-limit 1e-06"), line
+    assert line.endswith(f"holds round 1's checkpoint; continue with: fedaval train --resume {out}"), line
+    assert results_of(out)["status"] == {"state": "stopped", "rounds_done": 1, "rounds_total": 4}
+    assert [r for r, _ in checkpoint.saved(out)] == [1]
+
+    # a resume with no time for its longest round stops before training anything
+    result = CliRunner().invoke(cli, ["train", "--resume", str(out), "--time-limit", "1e-6", "--quiet"])
+    assert result.exit_code == 75, result.output
+    assert "stopped after round 1 of 4" in result.output
+    assert results_of(out)["status"]["rounds_done"] == 1
+
+    result = CliRunner().invoke(cli, ["train", "--resume", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert results_of(out)["status"] == {"state": "complete", "rounds_done": 4, "rounds_total": 4}
+    assert strip_timing(results_of(out)["rounds"]) == strip_timing(results_of(whole)["rounds"])
+    assert strip_timing(results_of(out)["final"]) == strip_timing(results_of(whole)["final"])
+
+
+def test_a_time_limit_covers_every_seed_and_names_those_not_started(tmp_path):
+    out = tmp_path / "run"
+    line = one_line_error(["train", "--out", str(out), "--seeds", "1,2", "--time-limit", "1e-6", *TINY], code=75)
+    assert line.endswith("not started: seed 2"), line
+    assert results_of(tmp_path / "run-s1")["status"]["state"] == "stopped"
+    assert not (tmp_path / "run-s2").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_a_bad_time_limit_is_one_line(tmp_path, value):
+    line = one_line_error(["train", "--out", str(tmp_path / "run"), "--time-limit", value, *TINY])
+    assert "--time-limit" in line and "above 0" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_time_limit_keeps_room_for_the_longest_round_and_the_checkpoint():
+    import time
+
+    from fedaval.coordinator import TimeLimit
+
+    limit = TimeLimit(seconds=10.0, start=time.monotonic())
+    rounds = {"rounds": [{"seconds": 1.0}, {"seconds": 5.0}, {"seconds": 2.0}]}
+    assert not limit.reached({"rounds": []}, checkpoint_wait=100.0)  # nothing measured: the first round runs
+    assert not limit.reached(rounds, checkpoint_wait=0.0)
+    assert limit.reached(rounds, checkpoint_wait=6.0)  # 5 s round + 6 s checkpoint > ~10 s left
+    assert TimeLimit(seconds=4.0, start=time.monotonic()).reached(rounds, checkpoint_wait=0.0)
+
+
 def _full_disk_on(monkeypatch, module, name, after: int):
     """Make ``module.name`` raise ENOSPC from its call number ``after + 1`` on."""
     real = getattr(module, name)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import click
 
 from fedaval import config_file
-from fedaval.errors import FedavalUsageError, RunFailure, RunInterrupted
+from fedaval.errors import FedavalUsageError, RunFailure, RunInterrupted, RunStopped
 
 
 def parse_assignments(values: tuple[str, ...]) -> dict[str, dict[str, str]]:
@@ -30,7 +30,8 @@ class FedavalGroup(click.Group):
     """Prints a :class:`FedavalUsageError` as one line and exits with status 2,
     a :class:`RunFailure` as one line and exits with status 1, a
     :class:`RunInterrupted` (Ctrl-C, SIGTERM) as one line and exits with
-    status 130."""
+    status 130, a :class:`RunStopped` (``--time-limit``) as one line and
+    exits with status 75."""
 
     def invoke(self, ctx):
         try:
@@ -44,6 +45,9 @@ class FedavalGroup(click.Group):
         except RunInterrupted as exc:
             click.echo(f"fedaval: {exc}", err=True)
             ctx.exit(130)
+        except RunStopped as exc:
+            click.echo(f"fedaval: {exc}", err=True)
+            ctx.exit(75)
         except KeyboardInterrupt:  # before the first round started (loading data, building clients)
             click.echo(
                 "fedaval: interrupted before the run's first round finished; its folder holds no results", err=True
@@ -269,17 +273,32 @@ def cli() -> None:
     metavar="RUN_DIR",
     help="Continue the run in RUN_DIR from its newest checkpoint (takes no other run option).",
 )
+@click.option(
+    "--time-limit",
+    default=None,
+    type=float,
+    metavar="SECONDS",
+    help="Stop between two rounds before SECONDS have passed since the command began (a batch job's "
+    "wall-clock limit): not when the time left is under the longest round so far; the last round's "
+    "checkpoint is saved, --resume goes on, the exit status is 75. With --seeds: for all of them.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs) -> None:
+def train(config_path, plugins, options, out, quiet, seeds, resume_dir, time_limit, **kwargs) -> None:
     """Train a federation and write a run folder (results.json, config.json, checkpoints/, tb/)."""
+    import math
+    import time
+
     from fedaval.plugin_manager import split_plugin_specs
 
+    start = time.monotonic()
+    if time_limit is not None and not (math.isfinite(time_limit) and time_limit > 0):
+        raise FedavalUsageError(f"--time-limit {time_limit:g}: must be a number of seconds above 0")
     ctx = click.get_current_context()
     if resume_dir is not None:
         given = [
             param.opts[0]
             for param in ctx.command.params
-            if param.name not in ("resume_dir", "quiet")
+            if param.name not in ("resume_dir", "quiet", "time_limit")
             and ctx.get_parameter_source(param.name) == click.core.ParameterSource.COMMANDLINE
         ]
         if given:
@@ -289,7 +308,7 @@ def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs
         from fedaval.api import resume_training
 
         with sigterm_as_interrupt():
-            resume_training(resume_dir, show_progress=not quiet, echo=click.echo)
+            resume_training(resume_dir, show_progress=not quiet, echo=click.echo, time_limit=limit(time_limit, start))
         return
     kwargs["plugins"] = split_plugin_specs(plugins)
     file_tables = config_file.file_options(ctx)
@@ -314,8 +333,21 @@ def train(config_path, plugins, options, out, quiet, seeds, resume_dir, **kwargs
     from fedaval.api import run_training
 
     with sigterm_as_interrupt():
-        for settings in runs:
-            run_training(settings, show_progress=not quiet, echo=click.echo)
+        for i, settings in enumerate(runs):
+            try:
+                run_training(settings, show_progress=not quiet, echo=click.echo, time_limit=limit(time_limit, start))
+            except RunStopped as exc:
+                later = [str(s["seed"]) for s in runs[i + 1 :]]
+                raise RunStopped(f"{exc}; not started: seed {', '.join(later)}" if later else str(exc)) from None
+
+
+def limit(seconds: float | None, start: float):
+    """``--time-limit`` as a :class:`fedaval.coordinator.TimeLimit` (imports torch)."""
+    if seconds is None:
+        return None
+    from fedaval.coordinator import TimeLimit
+
+    return TimeLimit(seconds, start)
 
 
 @cli.command("plugins")
