@@ -1,5 +1,5 @@
-"""GLFC as a plugin: compensated CE with an exemplar memory, relation
-distillation from the proxy's pick, entropy detection at task boundaries,
+"""GLFC as a plugin: the code's compensated BCE (or the paper's compensated
+CE) with an exemplar memory, distillation from the proxy's pick, entropy detection at task boundaries,
 LeNet gradients up and the old model down, counted."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from helpers import one_line_error
 from fedaval import hookimpl
 from fedaval.api import run_training
 from fedaval.payload import payload_nbytes
-from fedaval.plugins.glfc import GLFC, MEMORY, SETS, TEACHER
-from fedaval.plugins.glfc_math import LeNet
+from fedaval.plugins.glfc import GLFC, MEMORY, SETS, TEACHER, GLFCOptions
+from fedaval.plugins.glfc_math import LeNet, compensated_bce
 
 OPTIONS = {"inversion_steps": 3, "memory": "per-class", "memory_per_class": 4}
 
@@ -47,14 +47,14 @@ class FirstRoundIsBest(GLFC):
         return 1.0 if not self.accuracies else 0.0
 
 
-def glfc_run(tmp_path_factory, name, plugin):
+def glfc_run(tmp_path_factory, name, plugin, **options):
     from helpers import tiny_run_config
 
     probe = Probe()
     config = tiny_run_config(
         tmp_path_factory.mktemp(name) / "run",
         plugins=[plugin],
-        plugin_options={"glfc": dict(OPTIONS)},
+        plugin_options={"glfc": dict(OPTIONS, **options)},
         lr=0.1,
         local_epochs=2,  # digits' defaults: the global model learns each task (its entropy falls)
     )
@@ -143,8 +143,62 @@ def test_the_memory_brings_old_classes_into_task_1_and_the_criterion_compensates
     client = run.clients[0]
     old, new = client.tasks.classes[0][0], client.tasks.classes[1][0]
     logits, y = torch.randn(3, run.num_classes), torch.tensor([new, new, old])
+    is_old = torch.tensor([False, False, True])
+    # loss=code (the default), in task 1 with an old model: half the compensated BCE
     got = plugin.fedaval_client_criterion(run=run, client=client, logits=logits, y=y)
-    assert got.item() == pytest.approx(compensated_cross_entropy(logits, y, torch.tensor([False, False, True])).item())
+    assert got.item() == pytest.approx(0.5 * compensated_bce(logits, y, is_old).item())
+    paper = GLFC(GLFCOptions(loss="paper"))
+    got = paper.fedaval_client_criterion(run=run, client=client, logits=logits, y=y)
+    assert got.item() == pytest.approx(compensated_cross_entropy(logits, y, is_old).item())
+    assert (
+        GLFC(GLFCOptions(loss="paper", compensation=False)).fedaval_client_criterion(
+            run=run, client=client, logits=logits, y=y
+        )
+        is None
+    )  # the core's cross-entropy
+    got = GLFC(GLFCOptions(compensation=False)).fedaval_client_criterion(run=run, client=client, logits=logits, y=y)
+    assert got.item() == pytest.approx(0.5 * compensated_bce(logits, y, None).item())
+
+
+def test_the_distillation_term_follows_the_loss_option(glfc):
+    """loss=code: half the BCE towards the old model's sigmoids on the old
+    classes; loss=paper: rd_weight x the KL among the old classes at T."""
+    from fedaval.plugins.glfc_math import bce_distillation, relation_distillation
+    from fedaval.strategy import Batch
+
+    _, probe = glfc
+    run, plugin = probe.run, probe.run.plugins.objects["glfc"]
+    client = run.clients[0]
+    teacher = client.stash[TEACHER][1]
+    x = run.data.train_x[client.tasks.indices[1][:4]].to(run.device)
+    y = run.data.train_y[client.tasks.indices[1][:4]].to(run.device)
+    logits = torch.randn(4, run.num_classes)
+    batch = Batch(x=x, y=y, features=logits, logits=logits, loss=torch.tensor(0.0))
+    old = plugin.old_classes(run, 1)
+    assert old == sorted(run.federation_task_classes()[0])
+    with torch.no_grad():
+        t_logits = teacher(x)
+    got = plugin.fedaval_client_loss(run=run, client=client, batch=batch)["glfc_relation"]
+    assert got.item() == pytest.approx(0.5 * bce_distillation(logits, t_logits, y, old).item())
+    paper = GLFC(GLFCOptions(loss="paper", rd_weight=3.0, temperature=2.0))
+    got = paper.fedaval_client_loss(run=run, client=client, batch=batch)["glfc_relation"]
+    assert got.item() == pytest.approx(3.0 * relation_distillation(logits, t_logits, old, 2.0).item())
+
+
+def test_the_codes_loss_keeps_the_first_task_better_than_the_papers(glfc, tmp_path_factory):
+    """What made loss=code the default: the paper's KL among the old classes
+    leaves the old classes' outputs free to fall below the new ones; the
+    code's BCE keeps each at the old model's value (digits, same run)."""
+    code, _ = glfc
+    paper, _ = glfc_run(tmp_path_factory, "paper", "fedaval.plugins.glfc:GLFC", loss="paper")
+    first = [r["final"]["accuracy_matrix"][-1][0] for r in (code, paper)]
+    assert first[0] > first[1] + 0.1, first
+
+
+def test_the_papers_options_are_refused_with_the_codes_loss(tmp_path):
+    line = one_line_error(["train", "--plugins", "glfc", "-o", "glfc.rd_weight=2", "--out", str(tmp_path / "r")])
+    assert line.startswith("fedaval: error: glfc.rd_weight applies to glfc.loss=paper only"), line
+    assert not (tmp_path / "r" / "results.json").exists()
 
 
 class SetsProbe:

@@ -9,6 +9,8 @@ import torch
 
 from fedaval.plugins.glfc_math import (
     LeNet,
+    bce_distillation,
+    compensated_bce,
     compensated_cross_entropy,
     compensation_weights,
     entropy_rise,
@@ -47,6 +49,37 @@ def test_compensated_cross_entropy_by_hand():
     logits = LOGITS.clone().requires_grad_(True)
     compensated_cross_entropy(logits, Y, OLD).backward()  # weights are constants: d/dlogit = w_i (p - onehot) / b
     assert logits.grad[0].tolist() == pytest.approx([4 / 3 * (0.5 - 1) / 3, 4 / 3 * 0.5 / 3])
+
+
+def softplus(z: float) -> float:
+    return math.log1p(math.exp(z))
+
+
+def test_the_codes_loss_is_a_compensated_bce_on_the_sigmoid_summed_over_the_outputs():
+    # sigmoid(z_y): 1/2, 3/4, 1/2 -> G = 1/2, 1/4, 1/2; new (A, B): mean 3/8 -> 4/3, 2/3; old (C) -> 1
+    assert gradient_measures(LOGITS, Y, sigmoid=True).tolist() == pytest.approx([0.5, 0.25, 0.5])
+    assert compensation_weights(LOGITS, Y, OLD, sigmoid=True).tolist() == pytest.approx([4 / 3, 2 / 3, 1.0])
+    # BCE(z, 1) = softplus(-z), BCE(z, 0) = softplus(z), summed over both outputs
+    bce = [softplus(-z0) + softplus(z1) for z0, z1 in LOGITS.tolist()]
+    expected = (4 / 3 * bce[0] + 2 / 3 * bce[1] + 1.0 * bce[2]) / 3
+    assert compensated_bce(LOGITS, Y, OLD).item() == pytest.approx(expected)
+    assert compensated_bce(LOGITS, Y, None).item() == pytest.approx(sum(bce) / 3)  # no old class: weights 1
+
+
+def test_the_codes_distillation_targets_the_old_models_sigmoids_on_the_old_classes():
+    student = torch.tensor([[0.0, 1.0, -1.0]])
+    teacher = torch.tensor([[L3, 5.0, -2.0]])  # old classes 0 and 2: targets 3/4 and sigmoid(-2)
+    y = torch.tensor([1])  # a new-class sample: target 1 on output 1
+
+    def bce(z, t):
+        return t * softplus(-z) + (1 - t) * softplus(z)
+
+    s2 = 1 / (1 + math.exp(2))
+    expected = bce(0.0, 0.75) + bce(1.0, 1.0) + bce(-1.0, s2)
+    assert bce_distillation(student, teacher, y, [0, 2]).item() == pytest.approx(expected)
+    # the teacher's entry replaces the label's on an old class (an exemplar of class 0)
+    expected_old = bce(0.0, 0.75) + bce(1.0, 0.0) + bce(-1.0, s2)
+    assert bce_distillation(student, teacher, torch.tensor([0]), [0, 2]).item() == pytest.approx(expected_old)
 
 
 def test_relation_distillation_is_the_kl_over_the_old_classes_only():

@@ -19,14 +19,19 @@ from fedaval.prototypes import class_index
 # ---------------------------------------------------------------------------
 
 
-def gradient_measures(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def gradient_measures(logits: torch.Tensor, y: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
     """``G_i = |dCE_i / d logit_{y_i}| = |p_{y_i}(x_i) - 1|``: the size of
-    sample ``i``'s gradient at its own class's output (detached)."""
-    p = F.softmax(logits.detach(), dim=1)
+    sample ``i``'s gradient at its own class's output (detached), ``p`` the
+    softmax, or with ``sigmoid`` the output's own sigmoid (the gradient of
+    the binary cross-entropy GLFC's code trains with)."""
+    z = logits.detach()
+    p = torch.sigmoid(z) if sigmoid else F.softmax(z, dim=1)
     return (p.gather(1, y[:, None]).squeeze(1) - 1).abs()
 
 
-def compensation_weights(logits: torch.Tensor, y: torch.Tensor, is_old: torch.Tensor) -> torch.Tensor:
+def compensation_weights(
+    logits: torch.Tensor, y: torch.Tensor, is_old: torch.Tensor, sigmoid: bool = False
+) -> torch.Tensor:
     """GLFC Eq. 3's per-sample weights: ``G_i / mean_G_new`` for a sample of a
     new class, ``G_i / mean_G_old`` for one of an old class, where the means
     run over the minibatch's samples of that group. Each group's weights
@@ -39,7 +44,7 @@ def compensation_weights(logits: torch.Tensor, y: torch.Tensor, is_old: torch.Te
     whole minibatch would not, but it moves the float rounding, so it waits
     until the tables with GLFC rows (FedProK's Table 1, PFCL's) are re-run
     with it."""
-    g = gradient_measures(logits, y)
+    g = gradient_measures(logits, y, sigmoid)
     w = torch.zeros_like(g)
     for group in (is_old, ~is_old):
         if bool(group.any()):
@@ -53,6 +58,43 @@ def compensated_cross_entropy(logits: torch.Tensor, y: torch.Tensor, is_old: tor
     :func:`compensation_weights` ``w_i`` (no gradient through the weights)."""
     w = compensation_weights(logits, y, is_old)
     return (w * F.cross_entropy(logits, y, reduction="none")).mean()
+
+
+def compensated_bce(logits: torch.Tensor, y: torch.Tensor, is_old: torch.Tensor | None) -> torch.Tensor:
+    """GLFC's code's ``L_GC``: ``1/b sum_i w_i sum_c BCE(z_ic, [c = y_i])``, the
+    binary cross-entropy of every output against the one-hot label, weighted
+    per sample by :func:`compensation_weights` on the sigmoid (``is_old``
+    ``None``: every ``w_i = 1``, as the code before any old class).
+
+    Two readings, where the code's head and learning rate differ from a fixed
+    head at a table's shared learning rate: the code's head grows, with an
+    output per class taught so far; fedaval's is fixed, so the outputs of
+    classes not taught yet take part with target 0 (which keeps them below
+    the taught ones when the head's argmax is read, as an output that does
+    not exist would be). And the code averages over the outputs as well as
+    the samples and trains at lr 2.0; here the outputs are summed, as
+    FediCaRL's iCaRL loss is (the code's mean at lr 2.0 is this sum at lr
+    2.0 / outputs), so the learning rate keeps its meaning next to the
+    softmax cross-entropy of the other methods."""
+    target = F.one_hot(y, logits.shape[1]).to(logits.dtype)
+    per_output = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+    if is_old is not None:
+        per_output = compensation_weights(logits, y, is_old, sigmoid=True)[:, None] * per_output
+    return per_output.sum() / len(y)
+
+
+def bce_distillation(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, y: torch.Tensor, old_classes: Sequence[int]
+) -> torch.Tensor:
+    """GLFC's code's distillation from the old model: the binary
+    cross-entropy of every output against the one-hot label with the old
+    classes' entries replaced by the old model's sigmoid outputs, summed over
+    the outputs and averaged over the samples as :func:`compensated_bce`
+    (no sample weights)."""
+    cols = class_index(tuple(old_classes), str(student_logits.device))
+    target = F.one_hot(y, student_logits.shape[1]).to(student_logits.dtype)
+    target[:, cols] = torch.sigmoid(teacher_logits[:, cols].detach())
+    return F.binary_cross_entropy_with_logits(student_logits, target, reduction="sum") / len(y)
 
 
 # ---------------------------------------------------------------------------
