@@ -63,15 +63,17 @@ def test_a_round_does_not_synchronise_per_minibatch(tiny_config, model, cuda_gra
     assert syncs < minibatches / 2, f"{syncs} syncs for {minibatches} minibatches, at {places}"
 
 
-@pytest.mark.parametrize("plugin", ["fedprok", "gldp", "apfl", "target", "ficarl", "fedspace"])
+@pytest.mark.parametrize("plugin", ["fedprok", "gldp", "apfl", "target", "ficarl", "fedspace", "glfc"])
 def test_a_methods_round_does_not_synchronise_per_minibatch(tiny_config, tmp_path, plugin):
     """FedProK's feature translation (Eq. 8), in the local minibatches (and,
     until session 14, in the minibatches of its classifier fit); GLDP's relation losses (Eqs. 7/8
     and 10); APFL's personal step (its alpha on the CPU: a copy back per
     parameter tensor); TARGET's, FediCaRL's and FedSpace's class lists
-    copied to the GPU. (GLFC's and PFCL's losses still wait a few times per
-    minibatch: their sync-free forms move the float rounding, and wait for
-    their tables' re-runs; see their docstrings.)
+    copied to the GPU; GLFC's compensation weights (each group's mean read
+    back, about six waits a minibatch until session 25; not yet run on a
+    GPU in this form). (PFCL's loss still waits a few times per minibatch:
+    its sync-free form moves the float rounding, and waits for its table's
+    re-run; see its docstring.)
     Each waited for the GPU several times per minibatch: at full scale (ResNet-18,
     CIFAR-10, four runs sharing an H200) a FedProK round took 53 to 66 s
     against FedAvg's 1.8 to 2.7 s (docs/reproduction.md).

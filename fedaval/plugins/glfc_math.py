@@ -39,17 +39,17 @@ def compensation_weights(
     within a group, samples with larger gradients weigh more. A group whose
     gradients are all 0 gets weight 0.
 
-    On a GPU this waits for it about six times a minibatch (each group's
-    ``any``, selection and mean are read back). A form with masks over the
-    whole minibatch would not, but it moves the float rounding, so it waits
-    until the tables with GLFC rows (FedProK's Table 1, PFCL's) are re-run
-    with it."""
+    Computed with masks over the whole minibatch, so on a GPU nothing waits
+    for it (until session 25 each group's ``any``, selection and mean were
+    read back, about six waits a minibatch; the tables with GLFC rows were
+    re-run with this form, whose float rounding differs)."""
     g = gradient_measures(logits, y, sigmoid)
     w = torch.zeros_like(g)
     for group in (is_old, ~is_old):
-        if bool(group.any()):
-            mean = g[group].mean()
-            w[group] = g[group] / mean if float(mean) > 0 else 0.0
+        mask = group.to(g.dtype)
+        mean = (g * mask).sum() / mask.sum().clamp(min=1)
+        safe = torch.where(mean > 0, mean, torch.ones_like(mean))
+        w = w + torch.where(group & (mean > 0), g / safe, torch.zeros_like(g))
     return w
 
 
