@@ -170,9 +170,10 @@ for table, path in (("t1", "configs/repro-fedprok-table1.toml"), ("t2", "configs
         # --time-limit: the run stops between two rounds, its last round checkpointed, before a round
         # that might not end within the deadline (exit 75), so the next command redoes nothing; 15 s
         # are left for the checkpoint's writing; timeout is the backstop (until session 25 the only
-        # stop: the rounds after the newest checkpoint were lost, 4 of GLFC's 19)
+        # stop: the rounds after the newest checkpoint were lost, 4 of GLFC's 19); TIME_LIMIT overrides it
+        # (tests/test_benchmarks_run.py stops a run after its first round with it)
         timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train "${train[@]}" --quiet \
-            --time-limit $((left - 15)) >>"$WORK/$row-s$seed.txt" 2>&1
+            --time-limit "${TIME_LIMIT:-$((left - 15))}" >>"$WORK/$row-s$seed.txt" 2>&1
         log "$row-s$seed: $how, exit $? after $(($(date +%s) - began)) s (limit $left)"
         mkdir -p "$WORK/results/$row-s$seed"
         cp "$run"/results.json "$run"/rounds.jsonl "$run"/config.json "$WORK/results/$row-s$seed/" 2>/dev/null

@@ -202,3 +202,52 @@ def test_fedprok_ceiling_probe_changes_nothing_and_scores_every_task(tiny_config
     weighted = sum(result[f"task_{t}"] * n for t, n in enumerate(counts)) / sum(counts)
     assert sum(counts) == len(run.data.test_y)
     assert result["accuracy"] == pytest.approx(weighted) and 0.2 < result["accuracy"] <= 1.0
+
+
+def test_gpu_session_full_scale_goes_on_from_a_run_its_time_limit_stopped(cifar10_root, tmp_path):
+    """benchmarks/gpu_session.sh --full-scale on the CPU (its dry run): the first command's run
+    stops at its --time-limit after round 1 with that round checkpointed (exit 75); the second
+    command, with the same RUNS and WORK, resumes it to the end and brings its results back."""
+    import json
+    import os
+    import shutil
+
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    env = {
+        **os.environ,
+        "WORK": str(tmp_path / "work"),
+        "RUNS": str(tmp_path / "runs"),
+        "OUT": str(tmp_path / "out"),
+        "DEVICE": "cpu",
+        "MODEL": "cnn",
+        "DATA_ROOT": str(cifar10_root),
+        "SYNCS_S": "0",
+        "DEADLINE": "300",
+        "JOBS": "fedavg:42",
+        "FULL_SCALE_ARGS": "--rounds-per-task 1",  # 5 rounds
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # python3: this interpreter
+    }
+    script = str(BENCHMARKS / "gpu_session.sh")
+    root = BENCHMARKS.parent
+
+    def session(**extra):
+        result = subprocess.run(
+            ["bash", script, "--full-scale"], env={**env, **extra}, cwd=root, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result.stdout
+
+    session(TIME_LIMIT="0.001")
+    log = (tmp_path / "work" / "t1-fedavg-s42.txt").read_text()
+    assert "stopped after round 1 of 5 by --time-limit 0.001" in log, log
+    assert "t1-fedavg-s42: started, exit 75" in session_log(tmp_path)
+    out = session()
+    assert "t1-fedavg-s42: resumed, exit 0" in out, out
+    results = json.loads((tmp_path / "work" / "results" / "t1-fedavg-s42" / "results.json").read_text())
+    assert results["status"] == {"state": "complete", "rounds_done": 5, "rounds_total": 5}
+    assert (tmp_path / "out" / "session.tgz").stat().st_size > 0
+
+
+def session_log(tmp_path: Path) -> str:
+    return (tmp_path / "work" / "session.log").read_text()
