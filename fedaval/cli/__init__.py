@@ -278,9 +278,9 @@ def cli() -> None:
     default=None,
     type=float,
     metavar="SECONDS",
-    help="Stop between two rounds before SECONDS have passed since the command began (a batch job's "
-    "wall-clock limit): not when the time left is under the longest round so far; the last round's "
-    "checkpoint is saved, --resume goes on, the exit status is 75. With --seeds: for all of them.",
+    help="A wall-clock limit counted from the command's start (a batch job's): the run stops between two "
+    "rounds once the time left is under its longest round so far, with the last round checkpointed; "
+    "--resume goes on from there. Exit status 75. With --seeds the limit covers them all.",
 )
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def train(config_path, plugins, options, out, quiet, seeds, resume_dir, time_limit, **kwargs) -> None:
