@@ -4,6 +4,8 @@ LeNet gradients up and the old model down, counted."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import one_line_error
@@ -158,6 +160,13 @@ def test_the_memory_brings_old_classes_into_task_1_and_the_criterion_compensates
     )  # the core's cross-entropy
     got = GLFC(GLFCOptions(compensation=False)).fedaval_client_criterion(run=run, client=client, logits=logits, y=y)
     assert got.item() == pytest.approx(0.5 * compensated_bce(logits, y, None).item())
+    # in its first task (no class of an earlier task, no old model) the code weighs every sample 1
+    first = SimpleNamespace(task=0, tasks_started=[0], tasks=client.tasks, stash={})
+    y0 = torch.tensor(client.tasks.classes[0][:2] * 2)
+    logits0 = torch.randn(4, run.num_classes)
+    got = plugin.fedaval_client_criterion(run=run, client=first, logits=logits0, y=y0)
+    assert got.item() == pytest.approx(compensated_bce(logits0, y0, None).item())
+    assert got.item() != pytest.approx(compensated_bce(logits0, y0, torch.zeros(4, dtype=torch.bool)).item())
 
 
 def test_the_distillation_term_follows_the_loss_option(glfc):

@@ -12,7 +12,8 @@ What happens:
   output, as iCaRL's. The compensated term
   (:func:`~fedaval.plugins.glfc_math.compensated_bce`) is the binary
   cross-entropy against the one-hot label, weighted per sample as below on
-  the sigmoid; the distillation (:func:`~fedaval.plugins.glfc_math.bce_distillation`,
+  the sigmoid (every sample weighs 1 while the client has no class of an
+  earlier task, as in the code); the distillation (:func:`~fedaval.plugins.glfc_math.bce_distillation`,
   ``glfc_relation``) is the binary cross-entropy against the one-hot label
   with the old classes' entries replaced by the old model's sigmoid outputs;
   the loss is ``0.5 * compensated + 0.5 * distillation`` once the client has
@@ -277,7 +278,9 @@ class GLFC(Plugin):
         from fedaval.prototypes import class_index
 
         is_old = None
-        if self.options.compensation:
+        # the code weighs every sample 1 until the client has learned classes of an earlier task
+        earlier = any(t < client.task for t in client.tasks_started)
+        if self.options.compensation and (earlier or not code):
             current = class_index(tuple(client.tasks.classes[client.task]), str(y.device))  # no copy per minibatch
             is_old = ~torch.isin(y, current)
         if not code:
