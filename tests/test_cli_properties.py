@@ -76,7 +76,7 @@ def stub_training():
     """Replace the training loop by an empty, complete results.json."""
     import fedaval.api
 
-    def fake_train(run, results, show_progress):
+    def fake_train(run, results, show_progress, time_limit=None):
         return {
             "plugins": run.plugins.names,
             "config": run.config.to_dict(),
