@@ -316,10 +316,12 @@ class TimeLimit:
 
     def reached(self, results: dict[str, Any], checkpoint_wait: float) -> bool:
         """Whether the next round should not start (never before any round ran)."""
-        if not results["rounds"]:
-            return False
-        longest = max(r["seconds"] for r in results["rounds"])
-        return self.left() < longest + checkpoint_wait
+        return bool(results["rounds"]) and self.left() < longest_round(results) + checkpoint_wait
+
+
+def longest_round(results: dict[str, Any]) -> float:
+    """The seconds of the longest round in ``results`` (at least one)."""
+    return max(r["seconds"] for r in results["rounds"])
 
 
 def train(
@@ -604,10 +606,9 @@ def interrupted_message(run: Run, results: dict[str, Any]) -> str:
 def stopped_message(run: Run, results: dict[str, Any], time_limit: TimeLimit) -> str:
     _finish_writes(run)
     done = len(results["rounds"])
-    longest = max(r["seconds"] for r in results["rounds"])
     where = (
         f"stopped after round {done} of {run.total_rounds} by --time-limit {time_limit.seconds:g}: "
-        f"{max(time_limit.left(), 0):.1f} s left, the longest round took {longest:.1f} s"
+        f"{max(time_limit.left(), 0):.1f} s left, the longest round took {longest_round(results):.1f} s"
     )
     if run.out_dir is None:
         return where

@@ -333,9 +333,10 @@ def train(config_path, plugins, options, out, quiet, seeds, resume_dir, time_lim
     from fedaval.api import run_training
 
     with sigterm_as_interrupt():
+        command_limit = limit(time_limit, start)  # one limit for every seed's run
         for i, settings in enumerate(runs):
             try:
-                run_training(settings, show_progress=not quiet, echo=click.echo, time_limit=limit(time_limit, start))
+                run_training(settings, show_progress=not quiet, echo=click.echo, time_limit=command_limit)
             except RunStopped as exc:
                 later = [str(s["seed"]) for s in runs[i + 1 :]]
                 raise RunStopped(f"{exc}; not started: seed {', '.join(later)}" if later else str(exc)) from None

@@ -110,7 +110,7 @@ from typing import Any, Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import at_least_one, non_negative, option, positive
+from fedaval.options import at_least_one, changed, non_negative, option, positive
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -189,7 +189,6 @@ class GLFC(Plugin):
     def fedaval_setup(self, run):
         import torch
 
-        from fedaval.options import changed
         from fedaval.plugins.glfc_math import LeNet
 
         unused = changed(self.options, ["rd_weight", "temperature"]) if self.options.loss == "code" else []
