@@ -24,8 +24,8 @@ last round of the task):
   are cut to their new quota (herding keeps them in order of choice, so the
   cut keeps the first ones) and each class of the task gets a new set chosen
   by herding (:func:`~fedaval.plugins.ficarl_math.herding_order`, Avalanche's
-  ``HerdingSelectionStrategy``) on the normalised features of the client's
-  model at that moment.
+  ``HerdingSelectionStrategy``'s greedy step, stopped at the quota) on the
+  normalised features of the client's model at that moment.
 * **Classification** (Algorithm 1): the client's evaluation is
   nearest-mean-of-exemplars; the class means are computed with the client's
   model just before each evaluation (a ``wrapper=True``
