@@ -57,9 +57,7 @@ def test_herding_order_is_avalanches_order_cut_to_the_quota(count):
 
     g = torch.Generator().manual_seed(count)
     features = torch.randn(60, 16, generator=g).repeat(2, 1)
-    reference = object.__new__(HerdingSelectionStrategy).make_sorted_indices_from_features(
-        normalise(features).double()
-    )
+    reference = object.__new__(HerdingSelectionStrategy).make_sorted_indices_from_features(normalise(features).double())
     assert herding_order(features, count).tolist() == reference[:count]
 
 

@@ -290,3 +290,34 @@ def test_bad_teacher_option_is_a_one_line_error(tmp_path):
         ["train", "--plugins", "fedaval.plugins.glfc:GLFC", "-o", "glfc.teacher=worst", "--out", str(tmp_path / "r")]
     )
     assert "glfc.teacher" in line and "best|last" in line
+
+
+@pytest.mark.filterwarnings("ignore:for .* copying from a non-meta parameter")
+@pytest.mark.parametrize(("proxy_device", "expected"), [("cpu", "cpu"), ("run", "meta")])
+def test_the_proxys_inversion_runs_where_proxy_device_says(monkeypatch, proxy_device, expected):
+    """On a GPU shared by six full-scale runs the inversions of a task's
+    first round took 100 to 110 s (session 26): by default they run on the
+    CPU, whatever the run's device (here ``meta``, standing in for a GPU)."""
+    from fedaval.plugins import glfc_math
+
+    where = []
+
+    def invert(lenet, gradient, label, shape, *args, **kwargs):
+        where.append({next(lenet.parameters()).device.type, *(g.device.type for g in gradient)})
+        return torch.zeros(*shape)
+
+    monkeypatch.setattr(glfc_math, "invert_gradient", invert)
+    plugin = GLFC(GLFCOptions(proxy_device=proxy_device))
+    monkeypatch.setattr(plugin, "proxy_accuracy", lambda run, model: 0.5)
+    plugin.lenet = LeNet((1, 8, 8), 4).state_dict()
+    run = SimpleNamespace(
+        device=torch.device("meta"),
+        data=SimpleNamespace(input_shape=(1, 8, 8)),
+        num_classes=4,
+        config=SimpleNamespace(seed=0),
+        server=SimpleNamespace(model=None, global_weights=lambda: {}),
+    )
+    gradient = [p.detach().clone() for p in LeNet((1, 8, 8), 4).parameters()]
+    plugin.fedaval_server_fuse(run=run, uploads=[{"glfc_gradients": {2: gradient}}], round=1)
+    assert where == [{expected}]
+    assert plugin.reconstructed[0][1] == 2

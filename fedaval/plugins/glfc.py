@@ -86,7 +86,11 @@ What happens:
   (:class:`~fedaval.plugins.glfc_math.LeNet`, shared by clients and proxy,
   sent once to each client) on it, under its label (entry
   ``glfc_gradients``, counted as bytes up). The proxy reconstructs each
-  image by gradient inversion (L-BFGS, ``inversion_steps``), keeps every
+  image by gradient inversion (L-BFGS, ``inversion_steps``; on the CPU by
+  default, ``proxy_device``: PyTorch's L-BFGS reads scalars back from the
+  device many times a step, and on an H200 shared by six full-scale runs a
+  task's first round took 100 to 110 s of inversions, GPU session 26,
+  where 2 CPU threads take about 1.8 s an image), keeps every
   reconstruction, and after each round's fusion scores the global model by
   its accuracy on all of them; the best model of the stage (ties: the later
   one) becomes the old model of the next stage, sent to each client once
@@ -150,6 +154,11 @@ class GLFCOptions:
     perturb_std: float = option(0.1, "std of the Gaussian noise on the prototype image", non_negative)
     inversion_steps: int = option(20, "L-BFGS steps of the proxy's gradient inversion", at_least_one)
     inversion_lr: float = option(1.0, "L-BFGS learning rate of the inversion", positive)
+    proxy_device: Literal["cpu", "run"] = option(
+        "cpu",
+        "where the proxy's gradient inversion runs: on the CPU (PyTorch's L-BFGS waits for a GPU many times "
+        "a step) or on the run's device",
+    )
 
 
 class GLFC(Plugin):
@@ -202,10 +211,10 @@ class GLFC(Plugin):
             torch.manual_seed(run.config.seed)
             self.lenet = {k: v.clone() for k, v in LeNet(run.data.input_shape, run.num_classes).state_dict().items()}
 
-    def make_lenet(self, run, state):
+    def make_lenet(self, run, state, device=None):
         from fedaval.plugins.glfc_math import LeNet
 
-        lenet = LeNet(run.data.input_shape, run.num_classes).to(run.device)
+        lenet = LeNet(run.data.input_shape, run.num_classes).to(device or run.device)
         lenet.load_state_dict(state)
         return lenet
 
@@ -422,15 +431,18 @@ class GLFC(Plugin):
 
     @hookimpl
     def fedaval_server_fuse(self, run, uploads, round):
+        import torch
+
         from fedaval.plugins.glfc_math import invert_gradient, pick_best
 
         self.signals = [dict(u.get(SIGNAL_KEY), client=u.client_id) for u in uploads if u.get(SIGNAL_KEY)]
-        lenet = self.make_lenet(run, self.lenet)
+        where = torch.device("cpu") if self.options.proxy_device == "cpu" else run.device
+        lenet = self.make_lenet(run, self.lenet, where)
         for u in uploads:
             for c, gradient in (u.get(GRADIENTS_KEY) or {}).items():
                 image = invert_gradient(
                     lenet,
-                    [g.to(run.device) for g in gradient],
+                    [g.to(where) for g in gradient],
                     int(c),
                     run.data.input_shape,
                     self.options.inversion_steps,
