@@ -79,6 +79,11 @@ def test_step_host_benchmark_runs():
     assert "62 backbone parameters" in out and "fedaval's own host work" in out
 
 
+def test_glfc_task_steps_benchmark_runs_and_herds_as_avalanche():
+    out = run("glfc_task_steps.py", "--rows", "300", "--dim", "32", "--quota", "40", "--repeats", "1")
+    assert "same order: True" in out and "gradient inversion" in out
+
+
 def test_round_throughput_refuses_cuda_graphs_without_a_gpu():
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "round_throughput.py"), "--device", "cpu", "--cuda-graphs", "both"],

@@ -70,8 +70,10 @@ def test_a_methods_round_does_not_synchronise_per_minibatch(tiny_config, tmp_pat
     and 10); APFL's personal step (its alpha on the CPU: a copy back per
     parameter tensor); TARGET's, FediCaRL's and FedSpace's class lists
     copied to the GPU; GLFC's compensation weights (each group's mean read
-    back, about six waits a minibatch until session 25; not yet run on a
-    GPU in this form). (PFCL's loss still waits a few times per minibatch:
+    back, about six waits a minibatch until session 25; in GPU session 26,
+    beside six full-scale runs, this case had not finished in 240 s: its
+    round's task end herded and its proxy inverted on the shared GPU, both
+    since changed). (PFCL's loss still waits a few times per minibatch:
     its sync-free form moves the float rounding, and waits for its table's
     re-run; see its docstring.)
     Each waited for the GPU several times per minibatch: at full scale (ResNet-18,
