@@ -82,7 +82,8 @@ class Run:
     has no folder), ``offload_auto`` (what ``--offload-clients auto`` chose); ``test_experiences`` (the clients' test experiences, one
     per task and set of new classes, by name: :func:`fedaval.streams.shared_test_stream`); ``on_client`` (a progress callback the API sets:
     ``on_client(round, clients trained, clients sampled)``); ``checkpoint_writer``
-    (the thread writing the newest checkpoint, :func:`fedaval.checkpoint.wait`)."""
+    (the thread writing the newest checkpoint, :func:`fedaval.checkpoint.wait`); ``task_classes``
+    (:meth:`federation_task_classes` with the partition it was computed from)."""
 
     config: RunConfig
     out_dir: Path | None
@@ -124,6 +125,7 @@ class Run:
         self.test_experiences: dict[str, Any] = {}  # name -> the clients' shared test experience (or None)
         self.on_client: Any = None  # progress within a round: on_client(round, trained, sampled)
         self.checkpoint_writer: Any = None  # the checkpoint being written in the background (fedaval.checkpoint)
+        self.task_classes: tuple[Any, list[list[int]]] | None = None  # (partition, its classes per stage)
 
     def model(self, client_id: int | None):
         """Client ``client_id``'s model (``None``: the server's), from ``fedaval_make_model``, split."""
@@ -132,11 +134,18 @@ class Run:
         return split_model(self.hook.fedaval_make_model(run=self, client_id=client_id))
 
     def federation_task_classes(self) -> list[list[int]]:
-        """Classes taught at each stage by any client."""
-        return [
-            sorted({c for client in self.partition.clients if t < client.num_tasks for c in client.classes[t]})
-            for t in range(self.num_tasks)
-        ]
+        """Classes taught at each stage by any client (a copy: callers may
+        change it). Computed once per partition: methods ask for it in every
+        minibatch (GLFC's, TARGET's and CFeD's old classes), and with many
+        clients the walk over every client's tasks is not free."""
+        cached = self.task_classes
+        if cached is None or cached[0] is not self.partition:
+            classes = [
+                sorted({c for client in self.partition.clients if t < client.num_tasks for c in client.classes[t]})
+                for t in range(self.num_tasks)
+            ]
+            self.task_classes = cached = (self.partition, classes)
+        return [list(c) for c in cached[1]]
 
     def federation_seen_classes(self) -> list[int]:
         """Classes taught by any client at the stages up to the current one, sorted."""

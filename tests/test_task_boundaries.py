@@ -62,3 +62,22 @@ def test_avalanche_clock_counts_tasks_not_rounds(tiny_config):
     run_training(tiny_config(rounds_per_task=3), extra_plugins=[probe])
     # task_end runs before Avalanche's clock ticks: counter == number of tasks finished before
     assert probe.clock_counters == [(0, 0, 0), (1, 0, 0), (0, 1, 1), (1, 1, 1)]
+
+
+def test_the_federations_classes_per_stage_are_computed_once_per_partition(tiny_config):
+    """Methods read them in every minibatch: walked over every client's tasks once, then copied."""
+    import copy
+
+    from fedaval.build import build_run
+
+    run = build_run(tiny_config())
+    first = run.federation_task_classes()
+    assert first == [
+        sorted({c for client in run.partition.clients if t < client.num_tasks for c in client.classes[t]})
+        for t in range(run.num_tasks)
+    ]
+    first[0].append(99)  # a caller's change stays the caller's
+    run.partition.clients[0].classes[0] = [99]  # not walked again for the same partition
+    assert run.federation_task_classes() != first and 99 not in run.federation_task_classes()[0]
+    run.partition = copy.deepcopy(run.partition)  # another partition: walked again
+    assert 99 in run.federation_task_classes()[0]
