@@ -115,3 +115,24 @@ def test_a_methods_round_does_not_synchronise_per_minibatch(tiny_config, tmp_pat
     assert syncs_4 - syncs_8 < (minibatches_4 - minibatches_8) / 4, (
         f"{syncs_8} syncs for {minibatches_8} minibatches, {syncs_4} for {minibatches_4}, at {places}"
     )
+
+
+def test_herding_waits_for_the_gpu_once_not_once_a_step():
+    """FediCaRL's and GLFC's herding at a task's end: Avalanche's loop read
+    every step's choice back (GPU session 26: GLFC's task ends took 100 to
+    206 s on an H200 shared by six runs); ``herding_order`` keeps its
+    choices on the GPU and copies the order back once."""
+    from fedaval.plugins.ficarl_math import herding_order
+
+    features = torch.randn(400, 64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            order = herding_order(features, 50)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(order) == 50
+    assert len(syncs) <= 2, [f"{w.filename}:{w.lineno}" for w in syncs]
