@@ -6,7 +6,7 @@
 At full scale (FedProK's Table 1: ResNet-18's 512-wide features, all of
 CIFAR-10, 3 clients, 5 tasks of 2 classes) two steps of GLFC happen once a
 task and took most of its time on an H200 shared by six runs (GPU session
-26: a task's end 100 to 206 s, a task's first round 82 to 146 s, against 5
+26: a task's end 85 to 206 s, a task's first round 82 to 146 s, against 5
 to 9 s for the other rounds):
 
 * herding, at each task's end: per client and new class, the exemplars of a

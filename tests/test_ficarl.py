@@ -63,7 +63,7 @@ def test_herding_order_is_avalanches_order_cut_to_the_quota(count):
 
 def test_herding_takes_as_many_steps_as_the_quota():
     """Avalanche's loop orders every row: 1,667 steps a class at full scale
-    for a quota of 250 (GPU session 26: GLFC's task ends took 100 to 206 s
+    for a quota of 250 (GPU session 26: GLFC's task ends took 85 to 206 s
     on a shared H200). Counted as the argmin calls of the greedy step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -296,7 +296,7 @@ def test_bad_teacher_option_is_a_one_line_error(tmp_path):
 @pytest.mark.parametrize(("proxy_device", "expected"), [("cpu", "cpu"), ("run", "meta")])
 def test_the_proxys_inversion_runs_where_proxy_device_says(monkeypatch, proxy_device, expected):
     """On a GPU shared by six full-scale runs the inversions of a task's
-    first round took 100 to 110 s (session 26): by default they run on the
+    first round took 75 to 142 s (session 26): by default they run on the
     CPU, whatever the run's device (here ``meta``, standing in for a GPU)."""
     from fedaval.plugins import glfc_math
 

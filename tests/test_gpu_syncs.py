@@ -119,7 +119,7 @@ def test_a_methods_round_does_not_synchronise_per_minibatch(tiny_config, tmp_pat
 
 def test_herding_waits_for_the_gpu_once_not_once_a_step():
     """FediCaRL's and GLFC's herding at a task's end: Avalanche's loop read
-    every step's choice back (GPU session 26: GLFC's task ends took 100 to
+    every step's choice back (GPU session 26: GLFC's task ends took 85 to
     206 s on an H200 shared by six runs); ``herding_order`` keeps its
     choices on the GPU and copies the order back once."""
     from fedaval.plugins.ficarl_math import herding_order

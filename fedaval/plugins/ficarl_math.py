@@ -36,8 +36,9 @@ def herding_order(features: torch.Tensor, count: int) -> torch.Tensor:
     them). What a federated run needs that it lacks: it orders every row,
     ``count`` or not, and reads each step's choice back to the host. At full
     scale (ResNet-18 on all of CIFAR-10: 1,667 rows of 512 features a class
-    and client, a quota of 250) that took 17 s a class on 2 CPU threads, and
-    on an H200 shared by six runs GLFC's task ends took 100 to 206 s (GPU
+    and client, a quota of 250) that took 9.9 s a class on 2 CPU threads
+    (``benchmarks/glfc_task_steps.py``; 0.9 s this way), and
+    on an H200 shared by six runs GLFC's task ends took 85 to 206 s (GPU
     session 26). This loop stops after ``count`` steps and keeps its choices
     on the features' device (no wait for a GPU until the end)."""
     if len(features) == 0 or count <= 0:

@@ -89,8 +89,9 @@ What happens:
   image by gradient inversion (L-BFGS, ``inversion_steps``; on the CPU by
   default, ``proxy_device``: PyTorch's L-BFGS reads scalars back from the
   device many times a step, and on an H200 shared by six full-scale runs a
-  task's first round took 100 to 110 s of inversions, GPU session 26,
-  where 2 CPU threads take about 1.8 s an image), keeps every
+  task's first round took 82 to 146 s, mostly inversions, GPU session 26,
+  where 2 CPU threads take about 0.25 s an image,
+  ``benchmarks/glfc_task_steps.py``), keeps every
   reconstruction, and after each round's fusion scores the global model by
   its accuracy on all of them; the best model of the stage (ties: the later
   one) becomes the old model of the next stage, sent to each client once
