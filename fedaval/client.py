@@ -54,6 +54,7 @@ class Client:
     def __init__(self, run: Run, client_id: int, tasks: ClientTasks, model: nn.Module):
         from fedaval.evaluation import make_evaluator
         from fedaval.streams import make_train_stream, shared_test_stream
+        from fedaval.training import make_optimizer
 
         self.run = run
         self.id = client_id
@@ -71,14 +72,11 @@ class Client:
             p for result in run.hook.fedaval_client_avalanche_plugins(run=run, client=self) for p in (result or [])
         ]
         config = run.config
-        assert config.lr is not None and config.momentum is not None, "RunConfig.validate fills them"
         self.strategy = FederatedStrategy(
             run=run,
             client=self,
             model=model,
-            optimizer=torch.optim.SGD(
-                model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-            ),
+            optimizer=make_optimizer(model.parameters(), config),
             criterion=nn.CrossEntropyLoss(),
             train_mb_size=config.batch_size,
             train_epochs=config.local_epochs,

@@ -15,6 +15,7 @@ OFFLOAD_POLICIES = ("auto", "none", "cpu", "disk")
 HOST_MEMORY = ("keep", "release")  # fedaval/host_memory.py
 CHECKPOINT_WRITERS = ("auto", "thread")  # fedaval/checkpoint.py: Schedule, can_fork
 BACKENDS = ("local", "ray")
+OPTIMIZERS = ("sgd", "adam")  # fedaval/training.py: make_optimizer
 OPTIMIZER_STATES = ("reset", "keep")
 LR_SCHEDULES = ("constant", "cosine", "exp")
 AUGMENTS = ("auto", "none", "standard")
@@ -31,6 +32,11 @@ take when not given; any other dataset gets :data:`GENERIC_DEFAULTS`."""
 
 GENERIC_DEFAULTS: dict[str, Any] = {"lr": 0.01, "momentum": 0.9, "local_epochs": 1}
 """SGD as the papers train their CIFAR ResNets: lr 0.01, momentum 0.9."""
+
+ADAM_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "momentum": 0.0}
+"""With ``--optimizer adam``, on every dataset: PyTorch's (and Kingma and
+Ba's) learning rate, which FedWeIT's and FedSpace's released code train
+with; momentum is SGD's and does not apply (Adam keeps its own moments)."""
 
 
 @dataclass
@@ -53,6 +59,7 @@ class RunConfig:
     lr: float | None = None  # None: per dataset
     momentum: float | None = None  # None: per dataset
     weight_decay: float = 1e-4
+    optimizer: str = "sgd"
     optimizer_state: str = "reset"
     lr_schedule: str = "constant"
     lr_min: float = 1e-4
@@ -78,8 +85,11 @@ class RunConfig:
 
     def fill_defaults(self) -> None:
         """Give ``lr``, ``momentum`` and ``local_epochs`` left unset their
-        dataset's defaults (:data:`TRAINING_DEFAULTS`)."""
+        dataset's defaults (:data:`TRAINING_DEFAULTS`), or with ``--optimizer
+        adam`` :data:`ADAM_DEFAULTS` for the first two."""
         defaults = TRAINING_DEFAULTS.get(self.dataset, GENERIC_DEFAULTS)
+        if self.optimizer == "adam":
+            defaults = {**defaults, **ADAM_DEFAULTS}
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -100,7 +110,14 @@ class RunConfig:
             ("--clients-per-round", self.clients_per_round, self.clients_per_round >= 0, ">= 0 (0: all)"),
             ("--batch-size", self.batch_size, self.batch_size >= 1, ">= 1"),
             ("--lr", self.lr, finite["lr"] and self.lr > 0, "finite and > 0"),
+            ("--optimizer", self.optimizer, self.optimizer in OPTIMIZERS, "one of " + ", ".join(OPTIMIZERS)),
             ("--momentum", self.momentum, 0 <= self.momentum < 1, "in [0, 1)"),
+            (
+                "--momentum",
+                self.momentum,
+                self.optimizer != "adam" or self.momentum == 0,
+                "0 with --optimizer adam (momentum is SGD's; Adam keeps its own moments)",
+            ),
             ("--weight-decay", self.weight_decay, finite["weight_decay"] and self.weight_decay >= 0, "finite and >= 0"),
             ("--eval-every", self.eval_every, self.eval_every >= 1, ">= 1"),
             ("--utility-lambda", self.utility_lambda, 0 <= self.utility_lambda <= 1, "in [0, 1]"),

@@ -1,9 +1,19 @@
-"""What a client's local training does besides the method: the optimizer
-state policy, the learning-rate schedule and data augmentation.
+"""What a client's local training does besides the method: the optimizer,
+its state policy, the learning-rate schedule and data augmentation.
 
-All three are plain functions of the run's configuration, applied by
-:class:`fedaval.strategy.FederatedStrategy` once per round (optimizer, learning
-rate) or once per minibatch (augmentation).
+All are plain functions of the run's configuration: the optimizer is made
+once per client (:class:`fedaval.client.Client`), the rest applied by
+:class:`fedaval.strategy.FederatedStrategy` once per round (optimizer state,
+learning rate) or once per minibatch (augmentation).
+
+* **Optimizer** (``--optimizer``). ``sgd`` (default): SGD with ``--momentum``
+  and ``--weight-decay``, as the papers fedaval hosts train. ``adam``: Adam
+  (PyTorch's, its betas and eps) with ``--weight-decay`` as an L2 term on the
+  gradient (as SGD's, not AdamW's decoupled decay); ``--lr`` defaults to
+  1e-3 and ``--momentum`` is refused. Methods whose update is SGD's by
+  definition refuse it (FedNova's normalisation, APFL's personal step). With
+  ``--optimizer-state reset`` Adam's moments and step count start afresh every
+  round, as a momentum buffer does.
 
 * **Optimizer state** (``--optimizer-state``). ``reset`` (default): every
   round starts with a fresh optimizer state (no momentum buffer), as the
@@ -45,6 +55,23 @@ if TYPE_CHECKING:
 AUGMENTED_DATASETS = ("cifar10", "cifar100", "tiny-imagenet")
 SMALL_IMAGE = 64
 PADDING = 4
+
+
+def make_optimizer(params, config: RunConfig) -> torch.optim.Optimizer:
+    """A client's local optimizer over ``params`` (``--optimizer``)."""
+    assert config.lr is not None and config.momentum is not None, "RunConfig.validate fills them"
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+
+
+def require_sgd(config: RunConfig, method: str, why: str) -> None:
+    """A one-line error unless the run's local optimizer is SGD: for a
+    method whose update is SGD's by definition (``why`` says how)."""
+    if config.optimizer != "sgd":
+        from fedaval.errors import FedavalUsageError
+
+        raise FedavalUsageError(f"{method} needs --optimizer sgd ({why}), not --optimizer {config.optimizer}")
 
 
 def resolve_augment(choice: str, data: ImageData) -> str:

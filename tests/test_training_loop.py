@@ -74,6 +74,8 @@ def test_the_schedule_reaches_the_optimizer(tiny_config):
         ({"lr_schedule": "cosine", "lr_min": 0.5}, "--lr-min 0.5"),
         ({"augment": "heavy"}, "--augment heavy"),
         ({"optimizer_state": "sometimes"}, "--optimizer-state sometimes"),
+        ({"optimizer": "adamw"}, "--optimizer adamw; must be one of sgd, adam"),
+        ({"optimizer": "adam", "momentum": 0.9}, "--momentum 0.9; must be 0 with --optimizer adam"),
     ],
 )
 def test_bad_values_are_one_line_errors(changes, message):
@@ -159,6 +161,59 @@ def test_defaults_depend_on_the_dataset_and_given_values_win():
     mine = RunConfig(dataset="digits", lr=0.02, local_epochs=1)
     mine.validate()
     assert (mine.lr, mine.momentum, mine.local_epochs) == (0.02, 0.0, 1)
+
+
+def test_adam_has_its_own_defaults_and_given_values_win():
+    adam = RunConfig(dataset="cifar10", optimizer="adam")
+    adam.validate()
+    assert (adam.lr, adam.momentum, adam.local_epochs) == (1e-3, 0.0, 1)
+    mine = RunConfig(dataset="digits", optimizer="adam", lr=0.01, momentum=0.0)
+    mine.validate()
+    assert (mine.lr, mine.momentum, mine.local_epochs) == (0.01, 0.0, 2)
+
+
+class AdamProbe:
+    """Each client's optimizer, and how many parameters hold Adam moments
+    at the first step of every round."""
+
+    name = "adam-probe"
+
+    def __init__(self):
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.moments_at_start: list[int] = []
+
+    @hookimpl
+    def fedaval_client_epoch_start(self, run, client, epoch):
+        if epoch == 0:
+            optimizer = client.strategy.optimizer
+            self.optimizers[client.id] = optimizer
+            self.moments_at_start.append(sum(1 for s in optimizer.state.values() if "exp_avg" in s))
+
+
+@pytest.mark.parametrize("optimizer_state", ["reset", "keep"])
+def test_adam_trains_the_clients_and_its_state_follows_the_policy(tiny_config, optimizer_state):
+    probe = AdamProbe()
+    results = run_training(
+        tiny_config(optimizer="adam", lr=0.005, weight_decay=0.0, optimizer_state=optimizer_state),
+        extra_plugins=[probe],
+    )
+    assert all(isinstance(o, torch.optim.Adam) for o in probe.optimizers.values()) and probe.optimizers
+    group = next(iter(probe.optimizers.values())).param_groups[0]
+    assert (group["lr"], group["weight_decay"]) == (0.005, 0.0)
+    if optimizer_state == "reset":
+        assert probe.moments_at_start == [0] * len(probe.moments_at_start)
+    else:
+        assert probe.moments_at_start[:2] == [0, 0] and all(n > 0 for n in probe.moments_at_start[2:])
+    matrix = results["final"]["accuracy_matrix"]
+    assert matrix[0][0] > 0.7 and matrix[1][1] > 0.7, matrix  # each task learnt (chance: 50%)
+
+
+@pytest.mark.parametrize("plugin", ["fednova", "apfl"])
+def test_methods_whose_update_is_sgds_refuse_adam(tmp_path, plugin):
+    from helpers import one_line_error
+
+    line = one_line_error(["train", "-p", plugin, "--optimizer", "adam", "--out", str(tmp_path / "r")])
+    assert f"{plugin} needs --optimizer sgd" in line and "not --optimizer adam" in line
 
 
 @pytest.mark.slow

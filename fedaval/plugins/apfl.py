@@ -107,6 +107,12 @@ class APFL(Plugin):
             None, "step size of alpha (None: the run's --lr)", lambda v: None if v is None or v > 0 else "must be > 0"
         )
 
+    @hookimpl
+    def fedaval_setup(self, run):
+        from fedaval.training import require_sgd
+
+        require_sgd(run.config, "apfl", "Algorithm 1 takes the personal and the global step as SGD steps of --lr")
+
     def _personal(self, client):
         if PERSONAL not in client.stash:
             params = {n: p.detach().clone().requires_grad_(True) for n, p in client.model.named_parameters()}

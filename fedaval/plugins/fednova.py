@@ -68,6 +68,12 @@ class FedNova(Plugin):
     description = "FedNova: each client's update divided by its local steps, rescaled by tau_eff (normalised averaging)"
 
     @hookimpl
+    def fedaval_setup(self, run):
+        from fedaval.training import require_sgd
+
+        require_sgd(run.config, "fednova", "its normalisation a_k counts local SGD steps with --momentum")
+
+    @hookimpl
     def fedaval_client_receive(self, run, client, download):
         client.stash[STEPS] = 0
 

@@ -63,8 +63,10 @@ Readings and choices where the paper leaves room:
   at lambda_1, a knowledge base of 5 entries with the client's own (5
   clients in its configuration). Not followed: lambda_2 = 1 here (the
   code's 100 on TensorFlow's ``l2_loss``, half the sum of squares, so 50 on
-  the sum, is for Adam at lr 1e-3 / 3; fedaval trains with SGD, where
-  lambda_2 * lr must stay well below 1); the code starts A at the base / 3
+  the sum, is for Adam at lr 1e-3 / 3; fedaval's tables train every method
+  with SGD, where lambda_2 * lr must stay well below 1; since session 26
+  ``--optimizer adam -o fedweit.retro=50`` pairs the code's weight with its
+  optimizer); the code starts A at the base / 3
   and the mask and attention at random values through a sigmoid, where
   fedaval starts A at 0, m at 1 and alpha at 1/K so that a new task starts
   from the function the model had; the code also keeps past tasks' A's
