@@ -10,6 +10,7 @@ overlapping: with ``--cuda-graphs`` it cost a third of the round
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,6 +19,21 @@ from helpers import TEST_DEVICE
 pytestmark = pytest.mark.skipif(
     not TEST_DEVICE.startswith("cuda"), reason="counts CUDA synchronisations (FEDAVAL_TEST_DEVICE=cuda)"
 )
+
+
+@contextmanager
+def counting_synchronisations():
+    """Within the block, every synchronising call CUDA reports; yields the
+    list they are appended to (their places, ``file:line``) when it ends."""
+    places: list[str] = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield places
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    places += [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def synchronisations(run, round: int) -> tuple[int, list[str]]:
@@ -30,15 +46,9 @@ def synchronisations(run, round: int) -> tuple[int, list[str]]:
     if round == run.rounds_of_task(now.task)[0]:
         run.server.begin_task(now.task)
         run.hook.fedaval_server_task_start(run=run, task=now.task)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            run_round(run, round)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    return len(syncs), sorted({f"{w.filename}:{w.lineno}" for w in syncs})
+    with counting_synchronisations() as syncs:
+        run_round(run, round)
+    return len(syncs), sorted(set(syncs))
 
 
 @pytest.mark.parametrize("model", ["auto", "cnn"])
@@ -126,13 +136,7 @@ def test_herding_waits_for_the_gpu_once_not_once_a_step():
 
     features = torch.randn(400, 64, device="cuda")
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            order = herding_order(features, 50)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    with counting_synchronisations() as syncs:
+        order = herding_order(features, 50)
     assert len(order) == 50
-    assert len(syncs) <= 2, [f"{w.filename}:{w.lineno}" for w in syncs]
+    assert len(syncs) <= 2, syncs

@@ -49,10 +49,9 @@ def herding_order(features: torch.Tensor, count: int) -> torch.Tensor:
     current_center = center * 0
     taken = torch.zeros(len(phi), dtype=torch.bool, device=phi.device)
     order = torch.empty(count, dtype=torch.long, device=phi.device)
-    inf = torch.tensor(float("inf"), dtype=phi.dtype, device=phi.device)
     for i in range(count):
         candidate_centers = current_center * i / (i + 1) + phi / (i + 1)
-        distances = torch.where(taken, inf, pow(candidate_centers - center, 2).sum(dim=1))
+        distances = pow(candidate_centers - center, 2).sum(dim=1).masked_fill_(taken, float("inf"))
         chosen = distances.argmin().view(1)
         order[i : i + 1] = chosen
         taken.index_fill_(0, chosen, True)
