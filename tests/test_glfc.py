@@ -321,3 +321,8 @@ def test_the_proxys_inversion_runs_where_proxy_device_says(monkeypatch, proxy_de
     plugin.fedaval_server_fuse(run=run, uploads=[{"glfc_gradients": {2: gradient}}], round=1)
     assert where == [{expected}]
     assert plugin.reconstructed[0][1] == 2
+
+
+def test_bad_proxy_device_option_is_a_one_line_error(tmp_path):
+    line = one_line_error(["train", "--plugins", "glfc", "-o", "glfc.proxy_device=gpu", "--out", str(tmp_path / "r")])
+    assert "glfc.proxy_device" in line and "cpu|run" in line
