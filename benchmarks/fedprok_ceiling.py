@@ -30,6 +30,7 @@ probe's, with the probe's accuracy per task.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ import torch
 
 from fedaval import hookimpl
 from fedaval.datasets import TensorImageDataset
-from fedaval.plugins.fedprok_math import Translation, fit_head
+from fedaval.plugins.fedprok_math import Translation, fit_head, translate_features
 
 BATCH = 500
 
@@ -75,15 +76,10 @@ def probe(
     (:class:`fedaval.datasets.ImageData`): test accuracy overall and on each
     task's classes (``tasks``: the classes new at each task), the fit's
     iterations."""
-    import copy
-
     extractor = copy.deepcopy(model).to(device)
     train = features_of(extractor, data.train_x, data.train_y, data.mean, data.std, device)
     test = features_of(extractor, data.test_x, data.test_y, data.mean, data.std, device)
-    head = torch.nn.Linear(train.shape[1], data.num_classes)
-    torch.nn.init.zeros_(head.weight)
-    torch.nn.init.zeros_(head.bias)
-    _, steps = fit_head(head, train, data.train_y, no_translation(train.shape[1]), l2, max_steps)
+    head, steps = fit(train, data.train_y, data.num_classes, l2, max_steps)
     with torch.no_grad():
         right = head(test).argmax(1) == data.test_y
     metrics = {"accuracy": right.float().mean().item(), "steps": float(steps)}
@@ -106,6 +102,124 @@ class LinearProbe:
         if task == 0:
             tasks = run.federation_new_classes()
             self.result = probe(run.server.model, run.data, tasks, run.config.weight_decay, run.device)
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        result, self.result = self.result, None
+        return result
+
+
+def accuracy(head: torch.nn.Module, features: torch.Tensor, labels: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (head(features).argmax(1) == labels).float().mean().item()
+
+
+def pooled_set(
+    parts: list[tuple[torch.Tensor, torch.Tensor, Translation | None]],
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Every client's real current-task features with their labels, and
+    their Eq. 8 translations by the client's own plan, in one set: the
+    union of the clients' balanced sets (reading 8), each pseudo feature one
+    sample, as in each client's own fit. Returns (features, labels, the
+    number of real ones): :func:`fit_head` divides the cross-entropy's sum
+    by the real features' number, so :func:`fit` is given it too."""
+    features, labels = [], []
+    for real, y, plan in parts:
+        features.append(real)
+        labels.append(y)
+        if plan is not None:
+            pseudo, targets, valid = translate_features(real, y, plan)
+            features.append(pseudo[valid])
+            labels.append(targets[valid])
+    return torch.cat(features), torch.cat(labels), sum(len(y) for _, y, _ in parts)
+
+
+def fit(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    l2: float,
+    max_steps: int = 1000,
+    per: int | None = None,
+):
+    """An L2-regularised multinomial logistic regression on ``features``,
+    from zero weights, to convergence (:func:`fit_head` with no
+    translation): ``sum CE / per + l2 / 2 |params|^2``, ``per`` the number
+    of samples unless given. (``fit_head`` divides by the number of samples;
+    the same minimum with ``per`` is its objective with ``l2 * per / N``.)"""
+    head = torch.nn.Linear(features.shape[1], num_classes)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    if per is not None:
+        l2 = l2 * per / max(len(labels), 1)
+    _, steps = fit_head(head, features, labels, no_translation(features.shape[1]), l2, max_steps)
+    return head, steps
+
+
+class GapProbe:
+    """Where FedProK's global model falls short of the frozen extractor's
+    ceiling, at the end of every task from task 1 on (the extractor frozen),
+    in ``plugin_metrics.gap`` of that round's record. All on the seen
+    classes' test set, with the global model's (frozen) extractor:
+
+    * ``global``: the global model, whose head is the mean of the clients'
+      last fits (``weighting=uniform``; with ``samples`` their
+      sample-weighted mean);
+    * ``client_<k>``: client ``k``'s own last fit (its head before fusion);
+    * ``pooled``: one head fit to convergence on the union of every client's
+      balanced set (its real current-task features and their translations by
+      its own plan): FedProK's objective as one centralised fit, with nothing
+      averaged;
+    * ``ceiling``: one head fit on the *real* training features of every seen
+      class (the joint probe of :class:`LinearProbe`, at this task).
+
+    So ``ceiling - pooled`` is what the translated features cost against real
+    ones, and ``pooled - global`` what fitting apart and averaging the heads
+    costs. Like :class:`LinearProbe` it draws from no random stream: the run
+    it sits in is the run without it."""
+
+    name = "gap"
+
+    def __init__(self) -> None:
+        self.result: dict[str, float] | None = None
+
+    @hookimpl
+    def fedaval_server_task_end(self, run, task):
+        if task < 1:
+            return
+        from fedaval.plugins.fedprok import FITTED
+        from fedaval.prototypes import extract_features
+
+        fedprok = run.plugins.objects["fedprok"]
+        model = copy.deepcopy(run.server.model)  # features_of leaves it in eval mode
+        seen = torch.tensor(run.federation_seen_classes())
+        l2 = run.config.weight_decay
+        keep = torch.isin(run.data.test_y, seen)
+        test_y = run.data.test_y[keep]
+        test = features_of(model, run.data.test_x[keep], test_y, run.data.mean, run.data.std, run.device)
+        metrics = {"global": accuracy(model.classifier.cpu(), test, test_y)}
+        parts = []
+        for client in run.clients:
+            exp = client.train_stream[task] if client.has_task(task) else None
+            if exp is None:
+                continue
+            real, y = extract_features(client.model, exp.dataset, run.device, run=run)
+            plan = fedprok.plan(client)
+            parts.append((real.cpu(), y.cpu(), None if plan is None else plan.to(torch.device("cpu"))))
+            fitted = client.stash.get(FITTED)
+            if fitted is not None and fitted[0] == task:
+                head = copy.deepcopy(model.classifier)
+                head.load_state_dict(fitted[1])
+                metrics[f"client_{client.id}"] = accuracy(head, test, test_y)
+        features, labels, real = pooled_set(parts)
+        head, steps = fit(features, labels, run.num_classes, l2, per=real)
+        metrics["pooled"], metrics["pooled_steps"] = accuracy(head, test, test_y), float(steps)
+        where = torch.isin(run.data.train_y, seen)
+        train_y = run.data.train_y[where]
+        train = features_of(model, run.data.train_x[where], train_y, run.data.mean, run.data.std, run.device)
+        head, steps = fit(train, train_y, run.num_classes, l2)
+        metrics["ceiling"], metrics["ceiling_steps"] = accuracy(head, test, test_y), float(steps)
+        self.result = metrics
 
     @hookimpl
     def fedaval_round_metrics(self, run, round):

@@ -209,6 +209,56 @@ def test_fedprok_ceiling_probe_changes_nothing_and_scores_every_task(tiny_config
     assert result["accuracy"] == pytest.approx(weighted) and 0.2 < result["accuracy"] <= 1.0
 
 
+def test_fedprok_gap_probe_changes_nothing_and_measures_the_run_s_own_model(tiny_config, tmp_path):
+    """benchmarks/fedprok_ceiling.py's GapProbe: the run beside it is the run
+    without it; at every task's end from task 1 on it scores the global model
+    as the run does (its ``global`` is the round's recorded accuracy), each
+    client's last fit, the pooled fit and the ceiling; and its pooled set of
+    one client is that client's own objective: a fit on it reaches the loss
+    ``fit_head`` reaches on the client's real features and plan."""
+    import importlib.util
+
+    import torch
+
+    from fedaval.api import run_training
+    from fedaval.plugins.fedprok_math import fit_head, plan_translation
+
+    spec = importlib.util.spec_from_file_location("fedprok_ceiling", BENCHMARKS / "fedprok_ceiling.py")
+    assert spec is not None and spec.loader is not None
+    ceiling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ceiling)
+
+    settings = dict(plugins=["fedprok"], scenario_options={"clients": 2, "tasks": 3}, rounds_per_task=2)
+    probed = run_training(tiny_config(**settings, out=tmp_path / "probed"), extra_plugins=[ceiling.GapProbe()])
+    plain = run_training(tiny_config(**settings, out=tmp_path / "plain"))
+    drop = ("plugin_metrics", "seconds")
+    strip = [{k: v for k, v in r.items() if not k.startswith(drop)} for r in probed["rounds"]]
+    assert strip == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in plain["rounds"]]
+    reports = {r["round"]: r for r in probed["rounds"] if r["plugin_metrics"].get("gap")}
+    assert sorted(reports) == [4, 6]  # the ends of tasks 1 and 2
+    for record in reports.values():
+        gap = record["plugin_metrics"]["gap"]
+        assert gap["global"] == pytest.approx(record["global_accuracy"], abs=1e-6)
+        assert {"client_0", "client_1", "pooled", "ceiling"} <= set(gap)
+        assert all(0.0 <= gap[k] <= 1.0 for k in ("client_0", "client_1", "pooled", "ceiling"))
+
+    torch.manual_seed(0)
+    real = torch.randn(60, 5) + torch.arange(3).repeat_interleave(20)[:, None]
+    labels = torch.arange(3).repeat_interleave(20) + 2  # current classes 2, 3, 4
+    protos = torch.stack([real[labels == c].mean(0) for c in (2, 3, 4)])
+    plan = plan_translation([0, 1], torch.randn(2, 5) * 3, [2, 3, 4], protos)
+    implicit = torch.nn.Linear(5, 5)
+    torch.nn.init.zeros_(implicit.weight)
+    torch.nn.init.zeros_(implicit.bias)
+    loss, _ = fit_head(implicit, real, labels, plan, 1e-3, 500)
+    features, targets, count = ceiling.pooled_set([(real, labels, plan)])
+    assert count == 60 and len(targets) == 60 + 20 * 2 and set(targets.tolist()) == {0, 1, 2, 3, 4}
+    head, _ = ceiling.fit(features, targets, 5, 1e-3, 500, per=count)
+    with torch.no_grad():
+        pooled_loss = torch.nn.functional.cross_entropy(head(features), targets, reduction="sum") / 60
+    assert float(pooled_loss) == pytest.approx(loss, rel=1e-3)
+
+
 def test_gpu_session_full_scale_goes_on_from_a_run_its_time_limit_stopped(cifar10_root, tmp_path):
     """benchmarks/gpu_session.sh --full-scale on the CPU (its dry run): the first command's run
     stops at its --time-limit after round 1 with that round checkpointed (exit 75); the second
