@@ -147,12 +147,13 @@ def fit(
     translation): ``sum CE / per + l2 / 2 |params|^2``, ``per`` the number
     of samples unless given. (``fit_head`` divides by the number of samples;
     the same minimum with ``per`` is its objective with ``l2 * per / N``.)"""
-    head = torch.nn.Linear(features.shape[1], num_classes)
+    head = torch.nn.Linear(features.shape[1], num_classes).to(features.device)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
     if per is not None:
         l2 = l2 * per / max(len(labels), 1)
-    _, steps = fit_head(head, features, labels, no_translation(features.shape[1]), l2, max_steps)
+    plan = no_translation(features.shape[1]).to(features.device)
+    _, steps = fit_head(head, features, labels, plan, l2, max_steps)
     return head, steps
 
 
@@ -197,7 +198,8 @@ class GapProbe:
         keep = torch.isin(run.data.test_y, seen)
         test_y = run.data.test_y[keep]
         test = features_of(model, run.data.test_x[keep], test_y, run.data.mean, run.data.std, run.device)
-        metrics = {"global": accuracy(model.classifier.cpu(), test, test_y)}
+        test, test_y = test.to(run.device), test_y.to(run.device)  # the fits run on the run's device
+        metrics = {"global": accuracy(model.classifier, test, test_y)}
         parts = []
         for client in run.clients:
             exp = client.train_stream[task] if client.has_task(task) else None
@@ -205,7 +207,7 @@ class GapProbe:
                 continue
             real, y = extract_features(client.model, exp.dataset, run.device, run=run)
             plan = fedprok.plan(client)
-            parts.append((real.cpu(), y.cpu(), None if plan is None else plan.to(torch.device("cpu"))))
+            parts.append((real, y, plan))
             fitted = client.stash.get(FITTED)
             if fitted is not None and fitted[0] == task:
                 head = copy.deepcopy(model.classifier)
@@ -217,7 +219,7 @@ class GapProbe:
         where = torch.isin(run.data.train_y, seen)
         train_y = run.data.train_y[where]
         train = features_of(model, run.data.train_x[where], train_y, run.data.mean, run.data.std, run.device)
-        head, steps = fit(train, train_y, run.num_classes, l2)
+        head, steps = fit(train.to(run.device), train_y.to(run.device), run.num_classes, l2)
         metrics["ceiling"], metrics["ceiling_steps"] = accuracy(head, test, test_y), float(steps)
         self.result = metrics
 
