@@ -26,6 +26,13 @@ unchanged; ``-p`` on the command line replaces the config's plugins)::
 
 The table: each run's final global accuracy (FedProK's number) beside the
 probe's, with the probe's accuracy per task.
+
+:class:`GapProbe` (``-p fedprok_ceiling:GapProbe``, the same way) splits
+what is left between FedProK's global model and that ceiling, at the end of
+every task from task 1 on: what the translated features cost against real
+ones, and what fitting the classifier apart on each client and averaging it
+costs (its docstring). ``python benchmarks/fedprok_ceiling.py RUNS`` prints
+its table too, for the runs that have it.
 """
 
 from __future__ import annotations
@@ -229,6 +236,13 @@ class GapProbe:
         return result
 
 
+def records(folder: str, key: str) -> list[tuple[dict, dict]]:
+    """(record, its ``plugin_metrics[key]``) of each round of the run in
+    ``folder`` that has one."""
+    rounds = [json.loads(line) for line in Path(folder, "rounds.jsonl").read_text().splitlines() if line]
+    return [(r, r["plugin_metrics"][key]) for r in rounds if r.get("plugin_metrics", {}).get(key)]
+
+
 def summarise(folders: list[str]) -> str:
     """The table of the runs in ``folders`` (each holding rounds.jsonl and
     results.json of a run with the probe)."""
@@ -237,8 +251,7 @@ def summarise(folders: list[str]) -> str:
         "|---|---:|---:|---|---:|",
     ]
     for folder in folders:
-        rounds = [json.loads(line) for line in Path(folder, "rounds.jsonl").read_text().splitlines() if line]
-        probed = [r["plugin_metrics"]["probe"] for r in rounds if r.get("plugin_metrics", {}).get("probe")]
+        probed = [p for _, p in records(folder, "probe")]
         if not probed:
             lines.append(f"| {folder} | | no probe recorded | | |")
             continue
@@ -252,5 +265,32 @@ def summarise(folders: list[str]) -> str:
     return "\n".join(lines)
 
 
+def summarise_gap(folders: list[str]) -> str:
+    """The table of :class:`GapProbe`'s records in ``folders``: at each
+    task's end, the ceiling, the pooled fit, the global model and the mean
+    of the clients' own fits (test accuracy on the seen classes, %), and the
+    gap's two parts."""
+    lines = [
+        "| run | task | ceiling | pooled fit | global model | clients' own fits (mean) "
+        "| translation (ceiling - pooled) | averaging (pooled - global) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for folder in folders:
+        for record, gap in records(folder, "gap"):
+            clients = [v for k, v in gap.items() if k.startswith("client_")]
+            own = f"{100 * sum(clients) / len(clients):.2f}" if clients else "n/a"
+            lines.append(
+                f"| {Path(folder).name} | {record['task']} | {100 * gap['ceiling']:.2f} | {100 * gap['pooled']:.2f} "
+                f"| {100 * gap['global']:.2f} | {own} | {100 * (gap['ceiling'] - gap['pooled']):+.2f} "
+                f"| {100 * (gap['pooled'] - gap['global']):+.2f} |"
+            )
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(summarise(sys.argv[1:]))
+    runs = sys.argv[1:]
+    gapped = [f for f in runs if records(f, "gap")]
+    print(summarise([f for f in runs if f not in gapped or records(f, "probe")]))
+    if gapped:
+        print()
+        print(summarise_gap(gapped))

@@ -153,7 +153,11 @@ print(load_dataset("imagefolder", Path(sys.argv[1])).train_x.shape)' "$DATA_ROOT
     python3 -c 'from fedaval.config_file import full_scale_runs, read_paper_table
 for table, path in (("t1", "configs/repro-fedprok-table1.toml"), ("t2", "configs/repro-gldp-table2.toml")):
     for name, args in full_scale_runs(read_paper_table(path)).items():
-        print(table + "-" + name.lower().replace(" w/o ", "-wo-").replace(" ", "-"), path, args, sep="\t")' >"$WORK/rows.tsv"
+        print(table + "-" + name.lower().replace(" w/o ", "-wo-").replace(" ", "-"), path, args, sep="\t")
+# FedProK with benchmarks/fedprok_ceiling.py GapProbe beside it: the same run, with its distance to the
+# frozen extractor ceiling split at each task end (docs/reproduction.md, "Where FedProK loses to the ceiling")
+print("t1-fedprok-gap", "configs/repro-fedprok-table1.toml", "-p fedprok -p fedprok_ceiling:GapProbe", sep="\t")' \
+        >"$WORK/rows.tsv"
     RUNS=${RUNS:-/tmp/gpu-runs}
     DEADLINE=${DEADLINE:-500}
     run_row() {  # run_row ROW SEED: one run of a table's row, stopped at the deadline
@@ -180,7 +184,9 @@ for table, path in (("t1", "configs/repro-fedprok-table1.toml"), ("t2", "configs
         # are left for the checkpoint's writing; timeout is the backstop (until session 25 the only
         # stop: the rounds after the newest checkpoint were lost, 4 of GLFC's 19); TIME_LIMIT overrides it
         # (tests/test_benchmarks_run.py stops a run after its first round with it)
-        timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train "${train[@]}" --quiet \
+        local path=${PYTHONPATH:-}
+        case $row in *-gap) path=$PWD/benchmarks${path:+:$path} ;; esac  # the probe is a plugin in benchmarks/
+        PYTHONPATH=$path timeout -k 5 "$left" python3 -c 'from fedaval.cli import main; main()' train "${train[@]}" --quiet \
             --time-limit "${TIME_LIMIT:-$((left - 15))}" >>"$WORK/$row-s$seed.txt" 2>&1
         log "$row-s$seed: $how, exit $? after $(($(date +%s) - began)) s (limit $left)"
         mkdir -p "$WORK/results/$row-s$seed"

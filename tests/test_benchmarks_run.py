@@ -262,7 +262,9 @@ def test_fedprok_gap_probe_changes_nothing_and_measures_the_run_s_own_model(tiny
 def test_gpu_session_full_scale_goes_on_from_a_run_its_time_limit_stopped(cifar10_root, tmp_path):
     """benchmarks/gpu_session.sh --full-scale on the CPU (its dry run): the first command's run
     stops at its --time-limit after round 1 with that round checkpointed (exit 75); the second
-    command, with the same RUNS and WORK, resumes it to the end and brings its results back."""
+    command, with the same RUNS and WORK, resumes it to the end and brings its results back. The
+    job is the diagnostic row fedprok-gap (FedProK with benchmarks/fedprok_ceiling.py's GapProbe, a
+    plugin the script finds in benchmarks/), whose probe reports at tasks 1 to 4's ends."""
     import json
     import os
     import shutil
@@ -279,7 +281,7 @@ def test_gpu_session_full_scale_goes_on_from_a_run_its_time_limit_stopped(cifar1
         "DATA_ROOT": str(cifar10_root),
         "SYNCS_S": "0",
         "DEADLINE": "300",
-        "JOBS": "fedavg:42",
+        "JOBS": "fedprok-gap:42",
         "FULL_SCALE_ARGS": "--rounds-per-task 1",  # 5 rounds
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # python3: this interpreter
     }
@@ -294,13 +296,16 @@ def test_gpu_session_full_scale_goes_on_from_a_run_its_time_limit_stopped(cifar1
         return result.stdout
 
     session(TIME_LIMIT="0.001")
-    log = (tmp_path / "work" / "t1-fedavg-s42.txt").read_text()
+    log = (tmp_path / "work" / "t1-fedprok-gap-s42.txt").read_text()
     assert "stopped after round 1 of 5 by --time-limit 0.001" in log, log
-    assert "t1-fedavg-s42: started, exit 75" in session_log(tmp_path)
+    assert "t1-fedprok-gap-s42: started, exit 75" in session_log(tmp_path)
     out = session()
-    assert "t1-fedavg-s42: resumed, exit 0" in out, out
-    results = json.loads((tmp_path / "work" / "results" / "t1-fedavg-s42" / "results.json").read_text())
+    assert "t1-fedprok-gap-s42: resumed, exit 0" in out, out
+    back = tmp_path / "work" / "results" / "t1-fedprok-gap-s42"
+    results = json.loads((back / "results.json").read_text())
     assert results["status"] == {"state": "complete", "rounds_done": 5, "rounds_total": 5}
+    rounds = [json.loads(line) for line in (back / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds if r["plugin_metrics"].get("gap")] == [2, 3, 4, 5]
     assert (tmp_path / "out" / "session.tgz").stat().st_size > 0
 
 

@@ -94,6 +94,17 @@ def test_the_distillation_weight_is_targets_code_by_default():
     assert TargetOptions().kd_weight == 25.0  # TARGET's code: --kd 25 (reading 3)
 
 
+def test_the_synthesis_is_targets_code_s_on_cifar_by_default():
+    """methods/target.py's CIFAR settings: 10 batches of 256, 10 steps, lr 0.002 (noise 0.01),
+    oh 0.5, bn 10 with momentum 0.9, nz 256, ngf 64 (a first stage of 128 channels)."""
+    from fedaval.plugins.target import TargetOptions
+
+    o = TargetOptions()
+    assert (o.synthesis, o.synthetic_size, o.generator_batch, o.generator_steps) == ("code", 2560, 256, 10)
+    assert (o.lr_generator, o.lr_noise, o.ce_weight, o.bn_weight, o.bn_momentum) == (2e-3, 1e-2, 0.5, 10.0, 0.9)
+    assert (o.noise_dim, o.generator_width) == (256, 128)
+
+
 def test_kd_term_from_task_1_on_only(target_run):
     results, _ = target_run
     for record in results["rounds"]:
@@ -126,7 +137,24 @@ def test_bytes_down_include_the_synthetic_set_once_per_client_and_task(target_ru
     assert down[3] - down[2] == clients * (synthetic_bytes + 8)  # + 8 for the entry's name
     assert down[4] == down[2]
     metrics = results["rounds"][1]["plugin_metrics"]["target"]
-    assert metrics["target_synthetic_images"] == 16 and {"target_generator_bn", "target_generator_adv"} <= set(metrics)
+    assert metrics["target_synthetic_images"] == 16 and {"target_generator_bn", "target_generator_ce"} <= set(metrics)
+    assert "target_generator_adv" not in metrics  # the code's synthesis has no adversary
+
+
+def test_the_paper_s_synthesis_is_still_there_with_its_adversary(tmp_path):
+    """``synthesis=paper``: one generator against an adversarial student (the reading before
+    session 27), its loss terms reported."""
+    from helpers import tiny_run_config
+
+    config = tiny_run_config(
+        tmp_path / "run",
+        plugins=[TARGET],
+        plugin_options={"target": {**OPTIONS, "synthesis": "paper"}},
+        offload_clients="none",
+    )
+    results = run_training(config, extra_plugins=[TinyCNN()])
+    metrics = results["rounds"][1]["plugin_metrics"]["target"]
+    assert {"target_generator_adv", "target_generator_student_kd"} <= set(metrics)
 
 
 def test_the_criterion_is_the_cross_entropy_of_the_current_classes(target_run):

@@ -12,12 +12,17 @@ from fedaval.plugins.target_math import (
     Generator,
     adversarial_loss,
     batch_statistics,
+    blend_statistics,
     bn_statistics_loss,
+    crop_and_flip,
     forward_with_bn_loss,
     generator_loss,
     kd_kl,
+    keep_lower,
     restricted_cross_entropy,
     synthesize,
+    synthesize_as_code,
+    update_momentum,
 )
 
 
@@ -129,3 +134,103 @@ def test_synthesize_makes_the_set_and_lowers_the_generator_loss():
     assert images.shape == (12, 1, 8, 8) and set(labels.tolist()) <= {0, 2}
     _, _, later = run(30)
     assert later["bn"] < first["bn"] and later["ce"] < first["ce"]
+
+
+def test_crop_and_flip_moves_pixels_and_passes_gradients():
+    """Every output image is its input shifted by at most the padding (zeros
+    coming in) and maybe mirrored; gradients reach the input."""
+    torch.manual_seed(0)
+    x = torch.arange(2 * 3 * 6 * 6, dtype=torch.float32).view(2, 3, 6, 6) + 1
+    x.requires_grad_(True)
+    out = crop_and_flip(x, padding=2)
+    assert out.shape == x.shape
+    padded = torch.nn.functional.pad(x.detach(), (2, 2, 2, 2))
+    for i in range(2):
+        found = [
+            (dy, dx, flip)
+            for dy in range(5)
+            for dx in range(5)
+            for flip in (False, True)
+            if torch.equal(
+                out[i].detach(),
+                (padded[i, :, dy : dy + 6, dx : dx + 6].flip(-1) if flip else padded[i, :, dy : dy + 6, dx : dx + 6]),
+            )
+        ]
+        assert found, i
+    out.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_bn_momentum_blends_the_earlier_batches_statistics():
+    """blend_statistics and update_momentum against hand-computed values:
+    the first batch alone, then 0.1 x this batch + 0.9 x the average."""
+    rm, rv = torch.zeros(2), torch.ones(2)
+    first = [(torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), rm, rv)]
+    assert blend_statistics(first, None, 0.9) == first
+    earlier = update_momentum(first, None, 0.9)
+    assert torch.equal(earlier[0][0], torch.tensor([1.0, 2.0]))
+    second = [(torch.tensor([11.0, 12.0]), torch.tensor([13.0, 14.0]), rm, rv)]
+    ((mean, var, _, _),) = blend_statistics(second, earlier, 0.9)
+    assert torch.allclose(mean, torch.tensor([2.0, 3.0])) and torch.allclose(var, torch.tensor([4.0, 5.0]))
+    later = update_momentum(second, earlier, 0.9)
+    assert torch.allclose(later[0][1], torch.tensor([4.0, 5.0]))
+
+
+def test_synthesize_as_code_keeps_the_best_step_and_meta_learns_the_generator():
+    """The code's synthesis: normalised images of the learned classes; the
+    generator itself moves (its meta step) and more steps lower the loss; a
+    batch's images are the generator's output at a step (before that step's
+    update: with one step, its first output)."""
+    torch.manual_seed(0)
+    teacher = tiny_bn_model()
+    teacher.train()
+    with torch.no_grad():
+        teacher(torch.randn(64, 1, 8, 8) * 3 + 1)
+    generator = Generator((1, 8, 8), noise_dim=8, width=8, output="sigmoid")
+    start = {k: v.clone() for k, v in generator.state_dict().items()}
+
+    def run(steps, size=24, lr=0.05):
+        torch.manual_seed(1)
+        g = Generator((1, 8, 8), noise_dim=8, width=8, output="sigmoid")
+        g.load_state_dict(start)
+        out = synthesize_as_code(
+            teacher,
+            g,
+            [0, 2],
+            steps=steps,
+            batch_size=8,
+            size=size,
+            lr_generator=lr,
+            lr_noise=0.05,
+            ce_weight=0.5,
+            bn_weight=10.0,
+            bn_momentum=0.9,
+            mean=(0.5,),
+            std=(0.25,),
+            device=torch.device("cpu"),
+        )
+        return g, out
+
+    g, (images, labels, first) = run(1)
+    assert images.shape == (24, 1, 8, 8) and set(labels.tolist()) <= {0, 2}
+    assert images.min() >= (0 - 0.5) / 0.25 - 1e-6 and images.max() <= (1 - 0.5) / 0.25 + 1e-6  # sigmoid, normalised
+    assert any(not torch.equal(start[k], v) for k, v in g.state_dict().items())  # the meta step moved it
+    _, (_, _, later) = run(20)
+    assert later["bn"] < first["bn"]
+    # one step: the kept images are the generator's first output (before its step), normalised
+    g, (images, _, _) = run(1, size=8)
+    torch.manual_seed(1)
+    fresh = Generator((1, 8, 8), noise_dim=8, width=8, output="sigmoid")  # as run() makes it: the same draws
+    fresh.load_state_dict(start)
+    z = torch.randn(8, 8)
+    with torch.no_grad():
+        assert torch.allclose(images, (fresh.train()(z) - 0.5) / 0.25, atol=1e-6)
+
+
+def test_keep_lower_keeps_the_lowest_loss_step():
+    best, loss = torch.zeros(2, 3), torch.full((), float("inf"))
+    best, loss = keep_lower(best, loss, torch.ones(2, 3), torch.tensor(5.0))
+    best, loss = keep_lower(best, loss, torch.full((2, 3), 2.0), torch.tensor(7.0))  # worse: not kept
+    assert torch.equal(best, torch.ones(2, 3)) and float(loss) == 5.0
+    best, loss = keep_lower(best, loss, torch.full((2, 3), 3.0), torch.tensor(4.0))
+    assert torch.equal(best, torch.full((2, 3), 3.0)) and float(loss) == 4.0

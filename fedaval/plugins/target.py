@@ -24,14 +24,23 @@ What happens:
   device data path.
 * **Server, end of each task but the last** (``fedaval_server_task_end``):
   a small generator (:class:`~fedaval.plugins.target_math.Generator`) is
-  trained against the global model with ``L_ce + bn_weight L_bn +
-  adv_weight L_adv`` (cross-entropy on labels drawn over the learned
-  classes; BatchNorm-statistics matching on every BatchNorm layer of the
-  global model; the adversarial diversity term against a student that
-  distils the global model at the same time), and ``synthetic_size`` images
-  are made (:func:`~fedaval.plugins.target_math.synthesize`, which says how).
-  ``generator_steps`` (steps per synthetic batch) is an option: a few in
-  tests, hundreds in the paper.
+  trained against the global model and ``synthetic_size`` images are made.
+  ``synthesis=code`` (the default since session 27) does it as TARGET's
+  released code does on CIFAR
+  (:func:`~fedaval.plugins.target_math.synthesize_as_code`, which says how):
+  2,560 images in batches of 256, each batch 10 steps of a copy of a
+  generator meta-learned across the batches (first-order MAML) on
+  ``ce_weight L_ce + bn_weight L_bn`` (0.5 and 10, the BatchNorm statistics
+  blended over batches with momentum 0.9, the images randomly cropped and
+  flipped before the teacher sees them), keeping each batch's lowest-loss
+  step; no adversarial term (the code's CIFAR settings would start it after
+  20 batches of 10). ``synthesis=paper`` is the reading written from the
+  paper before (until session 26 the only one): one generator trained on
+  ``L_ce + bn_weight L_bn + adv_weight L_adv`` with the adversarial
+  diversity term against a student that distils the global model at the
+  same time (:func:`~fedaval.plugins.target_math.synthesize`); its
+  defaults then were ``synthetic_size=256 generator_steps=50
+  lr_generator=0.01 bn_weight=1 noise_dim=64 generator_width=32``.
 * **Download** (``fedaval_server_download``): each client gets the synthetic
   images (float32, ``synthetic_size x C x H x W``, labels not sent) once per
   task, the first round it is sampled in the task; their bytes are counted
@@ -47,10 +56,13 @@ Readings chosen where the paper is open:
    global model's architecture, distilling the global model on the
    synthetic batches as the generator trains (a copy of the global model
    itself would agree with it everywhere and make the term zero).
-2. *Synthetic set*: made batch by batch from the trained generator with
-   per-batch optimised noise (as TARGET's code, after Fast-DataFree), not a
-   pool of every intermediate batch. Made once per task end, from scratch
-   for the generator's weights of that task (a new generator per task).
+2. *Synthetic set*: made batch by batch with per-batch optimised noise (as
+   TARGET's code, after Fast-DataFree), not a pool of every intermediate
+   batch. Made once per task end, from a new generator each task (the code
+   makes a new synthesiser each task). With ``synthesis=code`` the images
+   are kept as the clients' inputs (normalised); the code's clients crop
+   and flip them again, fedaval's do not (the synthetic minibatch is drawn
+   inside the loss hook, above).
 3. *KD without ``T^2``* (TARGET's code); the distilled classes are those of
    every earlier stage. Its weight ``kd_weight`` is 25, TARGET's code's
    (``--kd 25``: ``loss_ce + kd * loss_kd``, the same soft cross-entropy
@@ -85,7 +97,7 @@ from typing import Any, Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import at_least_one, non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -104,15 +116,30 @@ class TargetOptions:
         25.0, "weight of the distillation term on synthetic data (TARGET's code: 25)", non_negative
     )
     temperature: float = option(2.0, "distillation temperature T", positive)
-    synthetic_size: int = option(256, "synthetic images made at each task end and sent to the clients", at_least_one)
-    synthetic_batch: int = option(32, "synthetic images per local step (and per generator batch)", at_least_one)
-    generator_steps: int = option(50, "generator steps per synthetic batch", at_least_one)
-    generator_width: int = option(32, "channels of the generator's first stage", at_least_one)
-    noise_dim: int = option(64, "generator noise dimension", at_least_one)
-    lr_generator: float = option(1e-2, "generator (and noise) Adam learning rate", positive)
-    lr_student: float = option(1e-2, "student SGD learning rate (adversarial term)", positive)
-    bn_weight: float = option(1.0, "weight of the BatchNorm-statistics loss", non_negative)
-    adv_weight: float = option(1.0, "weight of the adversarial (diversity) loss", non_negative)
+    synthesis: Literal["code", "paper"] = option(
+        "code",
+        "how the server makes the synthetic set: its code's way on CIFAR (meta-learned generator, best step kept, "
+        "no adversary) or the paper's reading (one generator, an adversarial student)",
+    )
+    synthetic_size: int = option(2560, "synthetic images made at each task end and sent to the clients", at_least_one)
+    synthetic_batch: int = option(
+        32, "synthetic images per local step (with synthesis=paper also per generator batch)", at_least_one
+    )
+    generator_batch: int = option(256, "images per generator batch (synthesis=code)", at_least_one)
+    generator_steps: int = option(10, "generator steps per synthetic batch", at_least_one)
+    generator_width: int = option(128, "channels of the generator's first stage (the code's 2 x ngf)", at_least_one)
+    noise_dim: int = option(256, "generator noise dimension", at_least_one)
+    lr_generator: float = option(2e-3, "generator Adam learning rate (synthesis=paper: the noise's too)", positive)
+    lr_noise: float = option(1e-2, "noise Adam learning rate (synthesis=code)", positive)
+    ce_weight: float = option(
+        0.5, "weight of the teacher's cross-entropy in the generator loss (synthesis=code)", non_negative
+    )
+    bn_weight: float = option(10.0, "weight of the BatchNorm-statistics loss", non_negative)
+    bn_momentum: float = option(
+        0.9, "momentum of the BatchNorm statistics over batches (synthesis=code)", unit_interval
+    )
+    lr_student: float = option(1e-2, "student SGD learning rate (adversarial term, synthesis=paper)", positive)
+    adv_weight: float = option(1.0, "weight of the adversarial (diversity) loss (synthesis=paper)", non_negative)
 
 
 def torch_mask(logits, learned):
@@ -240,27 +267,48 @@ class Target(Plugin):
             return
         import torch
 
-        from fedaval.plugins.target_math import Generator, synthesize
+        from fedaval.plugins.target_math import Generator, synthesize, synthesize_as_code
 
         o = self.options
         teacher = copy.deepcopy(run.server.model).to(run.device)
-        student = run.model(None).to(run.device)
-        generator = Generator(run.data.input_shape, o.noise_dim, o.generator_width).to(run.device)
-        images, _, self.last_losses = synthesize(
-            teacher,
-            student,
-            generator,
-            self.old_classes(run, task + 1),
-            steps=o.generator_steps,
-            batch_size=o.synthetic_batch,
-            size=o.synthetic_size,
-            lr_generator=o.lr_generator,
-            lr_student=o.lr_student,
-            bn_weight=o.bn_weight,
-            adv_weight=o.adv_weight,
-            temperature=o.temperature,
-            device=run.device,
-        )
+        classes = self.old_classes(run, task + 1)
+        if o.synthesis == "code":
+            output = "sigmoid"  # pixels in [0, 1], normalised like the run's data
+            generator = Generator(run.data.input_shape, o.noise_dim, o.generator_width, output).to(run.device)
+            images, _, self.last_losses = synthesize_as_code(
+                teacher,
+                generator,
+                classes,
+                steps=o.generator_steps,
+                batch_size=o.generator_batch,
+                size=o.synthetic_size,
+                lr_generator=o.lr_generator,
+                lr_noise=o.lr_noise,
+                ce_weight=o.ce_weight,
+                bn_weight=o.bn_weight,
+                bn_momentum=o.bn_momentum,
+                mean=run.data.mean,
+                std=run.data.std,
+                device=run.device,
+            )
+        else:
+            student = run.model(None).to(run.device)
+            generator = Generator(run.data.input_shape, o.noise_dim, o.generator_width).to(run.device)
+            images, _, self.last_losses = synthesize(
+                teacher,
+                student,
+                generator,
+                classes,
+                steps=o.generator_steps,
+                batch_size=o.synthetic_batch,
+                size=o.synthetic_size,
+                lr_generator=o.lr_generator,
+                lr_student=o.lr_student,
+                bn_weight=o.bn_weight,
+                adv_weight=o.adv_weight,
+                temperature=o.temperature,
+                device=run.device,
+            )
         self.synthetic = images.to(torch.float32)
         self.synthetic_task = task + 1
         self.teacher_weights = {k: v.detach().cpu().clone() for k, v in run.server.global_weights().items()}

@@ -6,6 +6,7 @@ checked against hand-computed values in ``tests/test_target_math.py``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -67,10 +68,13 @@ def bn_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def forward_with_bn_loss(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(model(x), L_bn)``: the model's output and :func:`bn_statistics_loss`
-    of the batch statistics of each BatchNorm layer's input against that
-    layer's running statistics (read through forward hooks, removed after)."""
+def forward_with_bn_statistics(
+    model: nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """``(model(x), stats)``: the model's output and, for each of its
+    BatchNorm layers in module order, ``(batch mean, batch variance, running
+    mean, running variance)`` of the layer's input (read through forward
+    hooks, removed after)."""
     layers = bn_layers(model)
     if not layers:
         raise ValueError("the model has no BatchNorm layer")
@@ -82,7 +86,72 @@ def forward_with_bn_loss(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tenso
         for h in handles:
             h.remove()
     stats = [(*batch_statistics(inputs[k]), m.running_mean, m.running_var) for k, m in enumerate(layers)]
-    return out, bn_statistics_loss(stats)  # type: ignore[arg-type]  # running_mean/var: Tensor buffers
+    return out, stats  # type: ignore[return-value]  # running_mean/var: Tensor buffers
+
+
+def forward_with_bn_loss(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(model(x), L_bn)``: the model's output and :func:`bn_statistics_loss`
+    of the batch statistics of each BatchNorm layer's input against that
+    layer's running statistics."""
+    out, stats = forward_with_bn_statistics(model, x)
+    return out, bn_statistics_loss(stats)
+
+
+def blend_statistics(
+    stats: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    earlier: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+    momentum: float,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """TARGET's code's BatchNorm loss with momentum (its ``bn_mmt``, after
+    Fast-DataFree): each layer's batch mean and variance are compared with
+    the running statistics as ``(1 - momentum) * this batch's + momentum *
+    earlier``, ``earlier`` the momentum average of the earlier batches' (one
+    ``(mean, variance)`` per layer; ``None`` for the first batch: this
+    batch's alone), so a batch also makes up for where the earlier ones
+    missed. Returns ``stats`` with the blended mean and variance, for
+    :func:`bn_statistics_loss`."""
+    if earlier is None:
+        return list(stats)
+    return [
+        ((1 - momentum) * mean + momentum * m0, (1 - momentum) * var + momentum * v0, rm, rv)
+        for (mean, var, rm, rv), (m0, v0) in zip(stats, earlier, strict=True)
+    ]
+
+
+def update_momentum(
+    stats: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    earlier: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+    momentum: float,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The momentum average after a batch whose last step had ``stats``
+    (:func:`blend_statistics`): that batch's mean and variance for the
+    first batch, else ``momentum * earlier + (1 - momentum) * this``."""
+    now = [(mean.detach(), var.detach()) for mean, var, _, _ in stats]
+    if earlier is None:
+        return now
+    return [
+        (momentum * m0 + (1 - momentum) * m, momentum * v0 + (1 - momentum) * v)
+        for (m, v), (m0, v0) in zip(now, earlier, strict=True)
+    ]
+
+
+def crop_and_flip(x: torch.Tensor, padding: int = 4, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Each image of ``x`` [N, C, H, W] zero-padded by ``padding`` pixels,
+    cropped back to H x W at a random offset and flipped left-right with
+    probability 1/2 (TARGET's code's augmentation of the generator's images
+    before the teacher sees them: a random crop with padding 4 and a
+    horizontal flip). Differentiable in ``x``: the generator learns through
+    it."""
+    n, _, h, w = x.shape
+    padded = F.pad(x, (padding, padding, padding, padding))
+    dy = torch.randint(2 * padding + 1, (n,), device=x.device, generator=generator)
+    dx = torch.randint(2 * padding + 1, (n,), device=x.device, generator=generator)
+    flip = torch.rand(n, device=x.device, generator=generator) < 0.5
+    rows = dy[:, None] + torch.arange(h, device=x.device)  # [N, H]
+    cols = dx[:, None] + torch.arange(w, device=x.device)  # [N, W]
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    picked = padded[torch.arange(n, device=x.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]
+    return picked.permute(0, 3, 1, 2)  # advanced indexing puts the channels last
 
 
 def adversarial_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -109,10 +178,13 @@ class Generator(nn.Module):
     """A small DENSE-style generator: ``z`` -> linear -> two (upsample, 3x3
     conv, BatchNorm, LeakyReLU) stages -> 3x3 conv -> BatchNorm without
     affine parameters, so its images come out standardised per channel like
-    the run's normalised data. ``width`` channels in the first stage; the
-    output is resized to ``shape`` = (C, H, W)."""
+    the run's normalised data (``output="standardise"``), or a sigmoid, so
+    they come out as pixels in [0, 1] to be normalised like the run's data
+    (``output="sigmoid"``, TARGET's code's generator). ``width`` channels in
+    the first stage (TARGET's code: ``2 * ngf``, 128), ``width // 2`` in the
+    second; the output is resized to ``shape`` = (C, H, W)."""
 
-    def __init__(self, shape: Sequence[int], noise_dim: int = 64, width: int = 32):
+    def __init__(self, shape: Sequence[int], noise_dim: int = 64, width: int = 32, output: str = "standardise"):
         super().__init__()
         channels, height, width_px = shape
         self.shape = (channels, height, width_px)
@@ -131,7 +203,7 @@ class Generator(nn.Module):
             nn.BatchNorm2d(width // 2),
             nn.LeakyReLU(0.2),
             nn.Conv2d(width // 2, channels, 3, padding=1),
-            nn.BatchNorm2d(channels, affine=False),
+            nn.Sigmoid() if output == "sigmoid" else nn.BatchNorm2d(channels, affine=False),
         )
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
@@ -211,3 +283,105 @@ def synthesize(
         labels.append(cols[y].cpu())
     last = {k: float(v) for k, v in last_terms.items()}
     return torch.cat(images), torch.cat(labels), last
+
+
+def keep_lower(
+    best: torch.Tensor, best_loss: torch.Tensor, x: torch.Tensor, loss: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(images, loss)`` of the lower-loss one of the step kept so far
+    (``best``, ``best_loss``) and this step (``x``, ``loss``), chosen on the
+    device (no read-back); a tie keeps the earlier step, as the code's
+    ``best_cost > loss``."""
+    better = loss < best_loss
+    return torch.where(better, x, best), torch.where(better, loss, best_loss)
+
+
+def synthesize_as_code(
+    teacher: nn.Module,
+    generator: Generator,
+    classes: Sequence[int],
+    *,
+    steps: int,
+    batch_size: int,
+    size: int,
+    lr_generator: float,
+    lr_noise: float,
+    ce_weight: float,
+    bn_weight: float,
+    bn_momentum: float,
+    mean: Sequence[float],
+    std: Sequence[float],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """TARGET's server-side data-free step as its released code runs it on
+    CIFAR (zj-jayzhang/Federated-Class-Continual-Learning, ``methods/target.py``,
+    its CIFAR settings), written from reading that code:
+
+    * the set is made in batches of ``batch_size`` (256) until ``size``
+      (2,560: ten batches). For each batch, labels ``y`` uniform over
+      ``classes``, fresh noise ``z``, and a copy of the generator; the copy
+      and ``z`` take ``steps`` (10) Adam steps (``lr_generator`` 0.002,
+      ``lr_noise`` 0.01 for ``z``, betas (0.5, 0.999)) on
+      ``ce_weight * CE(teacher(aug(G(z))), y) + bn_weight * L_bn`` (0.5 and
+      10), ``aug`` :func:`crop_and_flip` then the run's normalisation, ``G``
+      ending in a sigmoid (pixels in [0, 1]);
+    * ``L_bn`` compares each BatchNorm layer's batch statistics, blended with
+      the earlier batches' by ``bn_momentum`` (0.9, :func:`blend_statistics`),
+      with the teacher's running statistics;
+    * the generator itself learns by first-order MAML: the copy's gradients
+      of every step are summed into the generator's, which takes one Adam
+      step per batch (lr ``steps * lr_generator``, as the code's meta
+      optimiser), so each batch's copy starts from a generator that has
+      learned from the batches before;
+    * of a batch's ``steps`` images the set keeps those of the step with the
+      lowest loss (the code's ``best_inputs``), normalised like the run's
+      data: what the clients distil on;
+    * no adversarial term and no student: the code's CIFAR settings start
+      them after ``warmup = 20`` batches, and a task end makes 10.
+
+    Returns ``(images [size, C, H, W] normalised, labels [size], the last
+    step's loss terms)`` on the CPU. The best step is chosen on the device,
+    without reading the loss back (no wait per step on a GPU)."""
+    cols = torch.as_tensor(list(classes), device=device, dtype=torch.long)
+    m = torch.as_tensor(mean, device=device, dtype=torch.float32).view(1, -1, 1, 1)
+    s = torch.as_tensor(std, device=device, dtype=torch.float32).view(1, -1, 1, 1)
+    teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    generator.train()
+    meta = torch.optim.Adam(generator.parameters(), lr=lr_generator * steps, betas=(0.5, 0.999))
+    earlier: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    last_terms: dict[str, torch.Tensor] = {}
+    images, labels = [], []
+    for start in range(0, size, batch_size):
+        n = min(batch_size, size - start)
+        fast = copy.deepcopy(generator)
+        z = torch.randn(n, generator.noise_dim, device=device, requires_grad=True)
+        y = torch.randint(len(cols), (n,), device=device)
+        opt = torch.optim.Adam(
+            [{"params": list(fast.parameters())}, {"params": [z], "lr": lr_noise}], lr=lr_generator, betas=(0.5, 0.999)
+        )
+        meta.zero_grad(set_to_none=False)
+        best_loss = torch.full((), float("inf"), device=device)
+        best = torch.zeros(n, *generator.shape, device=device)
+        stats: list = []
+        for _ in range(steps):
+            x = fast(z)
+            logits, stats = forward_with_bn_statistics(teacher, (crop_and_flip(x) - m) / s)
+            ce = F.cross_entropy(logits[:, cols], y)
+            bn = bn_statistics_loss(blend_statistics(stats, earlier, bn_momentum))
+            loss = ce_weight * ce + bn_weight * bn
+            with torch.no_grad():
+                best, best_loss = keep_lower(best, best_loss, x, loss)
+            opt.zero_grad()
+            loss.backward()
+            for p, q in zip(generator.parameters(), fast.parameters(), strict=True):
+                if q.grad is not None:
+                    p.grad = q.grad.clone() if p.grad is None else p.grad + q.grad
+            opt.step()
+            last_terms = {"ce": ce.detach(), "bn": bn.detach()}
+        meta.step()
+        earlier = update_momentum(stats, earlier, bn_momentum)
+        images.append(((best - m) / s).cpu())
+        labels.append(cols[y].cpu())
+    return torch.cat(images), torch.cat(labels), {k: float(v) for k, v in last_terms.items()}
