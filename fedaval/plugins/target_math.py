@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -358,9 +359,8 @@ def synthesize_as_code(
         fast = copy.deepcopy(generator)
         z = torch.randn(n, generator.noise_dim, device=device, requires_grad=True)
         y = torch.randint(len(cols), (n,), device=device)
-        opt = torch.optim.Adam(
-            [{"params": list(fast.parameters())}, {"params": [z], "lr": lr_noise}], lr=lr_generator, betas=(0.5, 0.999)
-        )
+        groups: list[dict[str, Any]] = [{"params": list(fast.parameters())}, {"params": [z], "lr": lr_noise}]
+        opt = torch.optim.Adam(groups, lr=lr_generator, betas=(0.5, 0.999))
         meta.zero_grad(set_to_none=False)
         best_loss = torch.full((), float("inf"), device=device)
         best = torch.zeros(n, *generator.shape, device=device)
