@@ -259,6 +259,21 @@ def test_fedprok_gap_probe_changes_nothing_and_measures_the_run_s_own_model(tiny
     assert float(pooled_loss) == pytest.approx(loss, rel=1e-3)
 
 
+def test_target_synthesis_benchmark_scores_both_syntheses_from_a_checkpoint(tiny_config, tmp_path):
+    """benchmarks/target_synthesis.py rebuilds a TARGET run from its folder, takes its global model
+    from a checkpoint and prints the teacher's cross-entropy and agreement on each synthetic set."""
+    from fedaval.api import run_training
+
+    config = tiny_config(plugins=["target"], model="cnn", out=tmp_path / "target", rounds_per_task=1)
+    run_training(config)
+    out = run("target_synthesis.py", str(tmp_path / "target"), "--widths", "8", "--size", "16")
+    rows = [line for line in out.splitlines() if line.startswith("| code") or line.startswith("| paper")]
+    assert [r.split("|")[1].strip() for r in rows] == ["code", "paper (its former defaults)"], out
+    for row in rows:
+        agree = float(row.split("|")[-2])
+        assert 0.0 <= agree <= 1.0
+
+
 def test_gpu_session_full_scale_goes_on_from_a_run_its_time_limit_stopped(cifar10_root, tmp_path):
     """benchmarks/gpu_session.sh --full-scale on the CPU (its dry run): the first command's run
     stops at its --time-limit after round 1 with that round checkpointed (exit 75); the second
