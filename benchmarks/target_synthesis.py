@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from fedaval.build import build_run
 from fedaval.checkpoint import restore
 from fedaval.config import RunConfig
+from fedaval.plugins.target import TargetOptions
 from fedaval.plugins.target_math import Generator, synthesize, synthesize_as_code
 
 
@@ -66,29 +67,31 @@ def main() -> None:
     )
     print("| synthesis | generator width | steps x batches | seconds | teacher CE | teacher agrees with the label |")
     print("|---|---:|---|---:|---:|---:|")
+    o = TargetOptions()  # synthesis=code's defaults, the code's settings
     for width in [int(w) for w in args.widths.split(",")]:
         torch.manual_seed(0)
-        generator = Generator(run.data.input_shape, 256, width, "sigmoid")
+        generator = Generator(run.data.input_shape, o.noise_dim, width, "sigmoid")
         began = time.perf_counter()
         images, labels, _ = synthesize_as_code(
             teacher,
             generator,
             classes,
-            steps=10,
-            batch_size=256,
+            steps=o.generator_steps,
+            batch_size=o.generator_batch,
             size=args.size,
-            lr_generator=2e-3,
-            lr_noise=1e-2,
-            ce_weight=0.5,
-            bn_weight=10.0,
-            bn_momentum=0.9,
+            lr_generator=o.lr_generator,
+            lr_noise=o.lr_noise,
+            ce_weight=o.ce_weight,
+            bn_weight=o.bn_weight,
+            bn_momentum=o.bn_momentum,
             mean=run.data.mean,
             std=run.data.std,
             device=cpu,
         )
         ce, agree = teacher_scores(teacher, images, labels, classes)
         took = time.perf_counter() - began
-        print(f"| code | {width} | 10 x {-(-args.size // 256)} of 256 | {took:.0f} | {ce:.3f} | {agree:.3f} |")
+        batches = f"{o.generator_steps} x {-(-args.size // o.generator_batch)} of {o.generator_batch}"
+        print(f"| code | {width} | {batches} | {took:.0f} | {ce:.3f} | {agree:.3f} |")
     torch.manual_seed(0)
     generator = Generator(run.data.input_shape, 64, 32)
     began = time.perf_counter()
