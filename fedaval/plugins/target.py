@@ -52,10 +52,11 @@ What happens:
 
 Readings chosen where the paper is open:
 
-1. *Student of the adversarial term*: a freshly initialised copy of the
-   global model's architecture, distilling the global model on the
-   synthetic batches as the generator trains (a copy of the global model
-   itself would agree with it everywhere and make the term zero).
+1. *Student of the adversarial term* (``synthesis=paper``): a freshly
+   initialised copy of the global model's architecture, distilling the
+   global model on the synthetic batches as the generator trains (a copy of
+   the global model itself would agree with it everywhere and make the term
+   zero).
 2. *Synthetic set*: made batch by batch with per-batch optimised noise (as
    TARGET's code, after Fast-DataFree), not a pool of every intermediate
    batch. Made once per task end, from a new generator each task (the code
