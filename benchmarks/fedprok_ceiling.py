@@ -148,21 +148,15 @@ def fit(
     l2: float,
     max_steps: int = 1000,
     per: int | None = None,
-    start: torch.nn.Module | None = None,
 ):
     """An L2-regularised multinomial logistic regression on ``features``,
-    from zero weights (or ``start``'s, a linear head of the same shape), to
-    convergence (:func:`fit_head` with no translation): ``sum CE / per + l2
-    / 2 |params|^2``, ``per`` the number of samples unless given.
-    (``fit_head`` divides by the number of samples; the same minimum with
-    ``per`` is its objective with ``l2 * per / N``.) The objective is
-    convex: the start changes how many iterations it takes, not where it
-    ends."""
+    from zero weights, to convergence (:func:`fit_head` with no
+    translation): ``sum CE / per + l2 / 2 |params|^2``, ``per`` the number
+    of samples unless given. (``fit_head`` divides by the number of samples;
+    the same minimum with ``per`` is its objective with ``l2 * per / N``.)"""
     head = torch.nn.Linear(features.shape[1], num_classes).to(features.device)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
-    if start is not None:
-        head.load_state_dict(start.state_dict())
     if per is not None:
         l2 = l2 * per / max(len(labels), 1)
     plan = no_translation(features.shape[1]).to(features.device)
@@ -193,11 +187,8 @@ class GapProbe:
     it sits in is the run without it."""
 
     name = "gap"
-    #: L-BFGS iterations at most for its two fits: on ResNet-18's features, from zero weights, 1,000
-    #: did not reach convergence (the CPU-scale run of session 27 stopped at the cap at task 1's end).
-    #: The pooled fit starts from the global model's head and the ceiling's from the pooled fit's
-    #: result (convex objectives: the same minima, fewer iterations; at full scale each iteration on
-    #: a shared GPU waits for it some 45 times)
+    #: L-BFGS iterations at most for its two fits, from zero weights: on ResNet-18's features 1,000
+    #: did not reach convergence (the CPU-scale run of session 27 stopped at the cap at task 1's end)
     max_steps = 5000
 
     def __init__(self) -> None:
@@ -233,16 +224,12 @@ class GapProbe:
                 head.load_state_dict(fitted[1])
                 metrics[f"client_{client.id}"] = accuracy(head, test, test_y)
         features, labels, real = pooled_set(parts)
-        # from the global model's head, near the optimum (session 27; from zero weights until then)
-        head, steps = fit(features, labels, run.num_classes, l2, self.max_steps, per=real, start=model.classifier)
+        head, steps = fit(features, labels, run.num_classes, l2, self.max_steps, per=real)
         metrics["pooled"], metrics["pooled_steps"] = accuracy(head, test, test_y), float(steps)
-        pooled = head
         where = torch.isin(run.data.train_y, seen)
         train_y = run.data.train_y[where]
         train = features_of(model, run.data.train_x[where], train_y, run.data.mean, run.data.std, run.device)
-        head, steps = fit(
-            train.to(run.device), train_y.to(run.device), run.num_classes, l2, self.max_steps, start=pooled
-        )
+        head, steps = fit(train.to(run.device), train_y.to(run.device), run.num_classes, l2, self.max_steps)
         metrics["ceiling"], metrics["ceiling_steps"] = accuracy(head, test, test_y), float(steps)
         self.result = metrics
 
