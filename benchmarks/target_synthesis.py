@@ -18,29 +18,17 @@ import copy
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from fedaval.build import build_run
 from fedaval.checkpoint import restore
 from fedaval.config import RunConfig
-from fedaval.plugins.target import TargetOptions
-from fedaval.plugins.target_math import Generator, synthesize, synthesize_as_code
-
-
-def teacher_scores(
-    teacher: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, classes: list[int]
-) -> tuple[float, float]:
-    """(cross-entropy, agreement) of the teacher's outputs on ``classes`` against ``labels``."""
-    cols = torch.tensor(classes)
-    lookup = torch.full((int(cols.max()) + 1,), -1, dtype=torch.long)
-    lookup[cols] = torch.arange(len(cols))
-    with torch.no_grad():
-        logits = teacher(images)[:, cols]
-    target = lookup[labels]
-    return F.cross_entropy(logits, target).item(), (logits.argmax(1) == target).float().mean().item()
+from fedaval.plugins.target import PAPER_DEFAULTS, TargetOptions, make_synthetic_set
+from fedaval.plugins.target_math import restricted_cross_entropy
+from fedaval.prototypes import class_index
 
 
 def main() -> None:
@@ -60,61 +48,30 @@ def main() -> None:
         run = build_run(config, out_dir=Path(out))
         restore(run, path)
     teacher = copy.deepcopy(run.server.model).eval()
-    classes = sorted({c for stage in run.federation_task_classes()[: run.task + 1] for c in stage})
+    classes = run.federation_seen_classes()
     cpu = torch.device("cpu")
     print(
         f"{args.run_dir.name}, {path.name} (task {run.task}): teacher over {len(classes)} classes, {args.size} images"
     )
     print("| synthesis | generator width | steps x batches | seconds | teacher CE | teacher agrees with the label |")
     print("|---|---:|---|---:|---:|---:|")
-    o = TargetOptions()  # synthesis=code's defaults, the code's settings
-    for width in [int(w) for w in args.widths.split(",")]:
+    code = TargetOptions(synthetic_size=args.size)  # synthesis=code's defaults, the code's settings
+    paper = replace(code, synthesis="paper", **{**PAPER_DEFAULTS, "synthetic_size": args.size})
+    settings = [(f"code | {width}", replace(code, generator_width=width)) for width in map(int, args.widths.split(","))]
+    settings.append((f"paper (its former defaults) | {paper.generator_width}", paper))
+    for label, options in settings:
+        batch = options.generator_batch if options.synthesis == "code" else options.synthetic_batch
         torch.manual_seed(0)
-        generator = Generator(run.data.input_shape, o.noise_dim, width, "sigmoid")
         began = time.perf_counter()
-        images, labels, _ = synthesize_as_code(
-            teacher,
-            generator,
-            classes,
-            steps=o.generator_steps,
-            batch_size=o.generator_batch,
-            size=args.size,
-            lr_generator=o.lr_generator,
-            lr_noise=o.lr_noise,
-            ce_weight=o.ce_weight,
-            bn_weight=o.bn_weight,
-            bn_momentum=o.bn_momentum,
-            mean=run.data.mean,
-            std=run.data.std,
-            device=cpu,
-        )
-        ce, agree = teacher_scores(teacher, images, labels, classes)
+        images, labels, _ = make_synthetic_set(options, teacher, classes, run.data, cpu, lambda: run.model(None))
         took = time.perf_counter() - began
-        batches = f"{o.generator_steps} x {-(-args.size // o.generator_batch)} of {o.generator_batch}"
-        print(f"| code | {width} | {batches} | {took:.0f} | {ce:.3f} | {agree:.3f} |")
-    torch.manual_seed(0)
-    generator = Generator(run.data.input_shape, 64, 32)
-    began = time.perf_counter()
-    images, labels, _ = synthesize(
-        teacher,
-        run.model(None),
-        generator,
-        classes,
-        steps=50,
-        batch_size=32,
-        size=args.size,
-        lr_generator=1e-2,
-        lr_student=1e-2,
-        bn_weight=1.0,
-        adv_weight=1.0,
-        temperature=2.0,
-        device=cpu,
-    )
-    ce, agree = teacher_scores(teacher, images, labels, classes)
-    took = time.perf_counter() - began
-    print(
-        f"| paper (its former defaults) | 32 | 50 x {-(-args.size // 32)} of 32 | {took:.0f} | {ce:.3f} | {agree:.3f} |"
-    )
+        with torch.no_grad():
+            logits = teacher(images)
+        ce = restricted_cross_entropy(logits, labels, classes).item()
+        cols = class_index(tuple(classes), "cpu")
+        agree = (cols[logits[:, cols].argmax(1)] == labels).float()  # the teacher's class among ``classes``
+        steps = f"{options.generator_steps} x {-(-args.size // batch)} of {batch}"
+        print(f"| {label} | {steps} | {took:.0f} | {ce:.3f} | {agree.mean().item():.3f} |")
 
 
 if __name__ == "__main__":

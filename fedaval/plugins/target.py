@@ -39,8 +39,9 @@ What happens:
   ``L_ce + bn_weight L_bn + adv_weight L_adv`` with the adversarial
   diversity term against a student that distils the global model at the
   same time (:func:`~fedaval.plugins.target_math.synthesize`); its
-  defaults then were ``synthetic_size=256 generator_steps=50
-  lr_generator=0.01 bn_weight=1 noise_dim=64 generator_width=32``.
+  defaults then were :data:`PAPER_DEFAULTS` (``synthetic_size=256
+  generator_steps=50 lr_generator=0.01 bn_weight=1 noise_dim=64
+  generator_width=32``).
 * **Download** (``fedaval_server_download``): each client gets the synthetic
   images (float32, ``synthetic_size x C x H x W``, labels not sent) once per
   task, the first round it is sampled in the task; their bytes are counted
@@ -141,6 +142,67 @@ class TargetOptions:
     )
     lr_student: float = option(1e-2, "student SGD learning rate (adversarial term, synthesis=paper)", positive)
     adv_weight: float = option(1.0, "weight of the adversarial (diversity) loss (synthesis=paper)", non_negative)
+
+
+#: ``synthesis=paper``'s defaults until session 27, when the options' defaults became the code's
+PAPER_DEFAULTS: dict[str, Any] = {
+    "synthetic_size": 256,
+    "generator_steps": 50,
+    "lr_generator": 1e-2,
+    "bn_weight": 1.0,
+    "noise_dim": 64,
+    "generator_width": 32,
+}
+
+
+def make_synthetic_set(options: TargetOptions, teacher, classes, data, device, new_student):
+    """The synthetic set ``options`` ask for, made against ``teacher`` (the
+    global model, on ``device``) over ``classes``: ``synthesis=code``
+    (:func:`~fedaval.plugins.target_math.synthesize_as_code`, a sigmoid
+    generator normalised like ``data``) or ``paper``
+    (:func:`~fedaval.plugins.target_math.synthesize`, against a fresh
+    student from ``new_student()``). ``data``: the run's
+    :class:`~fedaval.datasets.ImageData` (its input shape, mean and std).
+    Returns ``(images, labels, the generator's last loss terms)``."""
+    from fedaval.plugins.target_math import Generator, synthesize, synthesize_as_code
+
+    o = options
+    if o.synthesis == "code":
+        output = "sigmoid"  # pixels in [0, 1], normalised like the run's data
+        generator = Generator(data.input_shape, o.noise_dim, o.generator_width, output).to(device)
+        return synthesize_as_code(
+            teacher,
+            generator,
+            classes,
+            steps=o.generator_steps,
+            batch_size=o.generator_batch,
+            size=o.synthetic_size,
+            lr_generator=o.lr_generator,
+            lr_noise=o.lr_noise,
+            ce_weight=o.ce_weight,
+            bn_weight=o.bn_weight,
+            bn_momentum=o.bn_momentum,
+            mean=data.mean,
+            std=data.std,
+            device=device,
+        )
+    student = new_student().to(device)
+    generator = Generator(data.input_shape, o.noise_dim, o.generator_width).to(device)
+    return synthesize(
+        teacher,
+        student,
+        generator,
+        classes,
+        steps=o.generator_steps,
+        batch_size=o.synthetic_batch,
+        size=o.synthetic_size,
+        lr_generator=o.lr_generator,
+        lr_student=o.lr_student,
+        bn_weight=o.bn_weight,
+        adv_weight=o.adv_weight,
+        temperature=o.temperature,
+        device=device,
+    )
 
 
 def torch_mask(logits, learned):
@@ -268,48 +330,11 @@ class Target(Plugin):
             return
         import torch
 
-        from fedaval.plugins.target_math import Generator, synthesize, synthesize_as_code
-
-        o = self.options
         teacher = copy.deepcopy(run.server.model).to(run.device)
         classes = self.old_classes(run, task + 1)
-        if o.synthesis == "code":
-            output = "sigmoid"  # pixels in [0, 1], normalised like the run's data
-            generator = Generator(run.data.input_shape, o.noise_dim, o.generator_width, output).to(run.device)
-            images, _, self.last_losses = synthesize_as_code(
-                teacher,
-                generator,
-                classes,
-                steps=o.generator_steps,
-                batch_size=o.generator_batch,
-                size=o.synthetic_size,
-                lr_generator=o.lr_generator,
-                lr_noise=o.lr_noise,
-                ce_weight=o.ce_weight,
-                bn_weight=o.bn_weight,
-                bn_momentum=o.bn_momentum,
-                mean=run.data.mean,
-                std=run.data.std,
-                device=run.device,
-            )
-        else:
-            student = run.model(None).to(run.device)
-            generator = Generator(run.data.input_shape, o.noise_dim, o.generator_width).to(run.device)
-            images, _, self.last_losses = synthesize(
-                teacher,
-                student,
-                generator,
-                classes,
-                steps=o.generator_steps,
-                batch_size=o.synthetic_batch,
-                size=o.synthetic_size,
-                lr_generator=o.lr_generator,
-                lr_student=o.lr_student,
-                bn_weight=o.bn_weight,
-                adv_weight=o.adv_weight,
-                temperature=o.temperature,
-                device=run.device,
-            )
+        images, _, self.last_losses = make_synthetic_set(
+            self.options, teacher, classes, run.data, run.device, lambda: run.model(None)
+        )
         self.synthetic = images.to(torch.float32)
         self.synthetic_task = task + 1
         self.teacher_weights = {k: v.detach().cpu().clone() for k, v in run.server.global_weights().items()}

@@ -136,7 +136,7 @@ def update_momentum(
     ]
 
 
-def crop_and_flip(x: torch.Tensor, padding: int = 4, generator: torch.Generator | None = None) -> torch.Tensor:
+def crop_and_flip(x: torch.Tensor, padding: int = 4) -> torch.Tensor:
     """Each image of ``x`` [N, C, H, W] zero-padded by ``padding`` pixels,
     cropped back to H x W at a random offset and flipped left-right with
     probability 1/2 (TARGET's code's augmentation of the generator's images
@@ -145,9 +145,9 @@ def crop_and_flip(x: torch.Tensor, padding: int = 4, generator: torch.Generator 
     it."""
     n, _, h, w = x.shape
     padded = F.pad(x, (padding, padding, padding, padding))
-    dy = torch.randint(2 * padding + 1, (n,), device=x.device, generator=generator)
-    dx = torch.randint(2 * padding + 1, (n,), device=x.device, generator=generator)
-    flip = torch.rand(n, device=x.device, generator=generator) < 0.5
+    dy = torch.randint(2 * padding + 1, (n,), device=x.device)
+    dx = torch.randint(2 * padding + 1, (n,), device=x.device)
+    flip = torch.rand(n, device=x.device) < 0.5
     rows = dy[:, None] + torch.arange(h, device=x.device)  # [N, H]
     cols = dx[:, None] + torch.arange(w, device=x.device)  # [N, W]
     cols = torch.where(flip[:, None], cols.flip(1), cols)
@@ -361,7 +361,8 @@ def synthesize_as_code(
         y = torch.randint(len(cols), (n,), device=device)
         groups: list[dict[str, Any]] = [{"params": list(fast.parameters())}, {"params": [z], "lr": lr_noise}]
         opt = torch.optim.Adam(groups, lr=lr_generator, betas=(0.5, 0.999))
-        meta.zero_grad(set_to_none=False)
+        for p in generator.parameters():
+            p.grad = torch.zeros_like(p)
         best_loss = torch.full((), float("inf"), device=device)
         best = torch.zeros(n, *generator.shape, device=device)
         stats: list = []
@@ -377,7 +378,7 @@ def synthesize_as_code(
             loss.backward()
             for p, q in zip(generator.parameters(), fast.parameters(), strict=True):
                 if q.grad is not None:
-                    p.grad = q.grad.clone() if p.grad is None else p.grad + q.grad
+                    p.grad.add_(q.grad)  # first-order MAML: the copy's gradients, summed over the steps
             opt.step()
             last_terms = {"ce": ce.detach(), "bn": bn.detach()}
         meta.step()
