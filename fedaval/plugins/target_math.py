@@ -361,8 +361,7 @@ def synthesize_as_code(
         y = torch.randint(len(cols), (n,), device=device)
         groups: list[dict[str, Any]] = [{"params": list(fast.parameters())}, {"params": [z], "lr": lr_noise}]
         opt = torch.optim.Adam(groups, lr=lr_generator, betas=(0.5, 0.999))
-        for p in generator.parameters():
-            p.grad = torch.zeros_like(p)
+        summed = [torch.zeros_like(p) for p in generator.parameters()]  # first-order MAML's meta-gradient
         best_loss = torch.full((), float("inf"), device=device)
         best = torch.zeros(n, *generator.shape, device=device)
         stats: list = []
@@ -376,11 +375,13 @@ def synthesize_as_code(
                 best, best_loss = keep_lower(best, best_loss, x, loss)
             opt.zero_grad()
             loss.backward()
-            for p, q in zip(generator.parameters(), fast.parameters(), strict=True):
+            for total, q in zip(summed, fast.parameters(), strict=True):
                 if q.grad is not None:
-                    p.grad.add_(q.grad)  # first-order MAML: the copy's gradients, summed over the steps
+                    total.add_(q.grad)  # the copy's gradients, summed over the steps
             opt.step()
             last_terms = {"ce": ce.detach(), "bn": bn.detach()}
+        for p, total in zip(generator.parameters(), summed, strict=True):
+            p.grad = total
         meta.step()
         earlier = update_momentum(stats, earlier, bn_momentum)
         images.append(((best - m) / s).cpu())
