@@ -19,9 +19,14 @@ steps (cuDNN autotuning, the allocator), each against the batch-320 loop:
 * ``batch 32, model graphed``: only the model's forward and backward
   captured (``torch.cuda.make_graphed_callables``), loss and SGD step eager:
   where a graph fits inside Avalanche's loop (the GPU only);
+* ``batch 32, model graphed, a wait every 16 steps``: the same, the host
+  waiting for the GPU after every ``--wait-every`` steps, as a framework that
+  reads each client's loss after its round does (the GPU only);
 * ``batch 32 x K processes``: K processes training their own model at once
   on the one device (``--processes``), total samples over the wall time from
-  a common start to the last one's end.
+  a common start to the last one's end; and with each process's model
+  graphed (``--graphed-processes``; the GPU only): whether worker processes
+  sharing the GPU would take graphed clients past the host's bound.
 
 Not a test: nothing is asserted. Each line prints as it is measured.
 """
@@ -123,40 +128,56 @@ class Loop:
 
         return self.timed(batch, steps, warmup, replay)
 
-    def graphed_model_rate(self, batch: int, steps: int, warmup: int) -> float:
+    def graphed_model_rate(self, batch: int, steps: int, warmup: int, wait_every: int = 0) -> float:
         """Samples per second with only the model's forward and backward
         captured (``torch.cuda.make_graphed_callables``), the loss and the SGD
         step eager: where a graph could sit inside Avalanche's training loop,
-        whose plugins add loss terms and run callbacks between those steps."""
+        whose plugins add loss terms and run callbacks between those steps.
+
+        ``wait_every`` > 0: the host waits for the GPU after every that many
+        steps (reads the loss back, as a framework reading a client's round
+        losses after its few minibatches does; fedaval did after each client
+        until session 28)."""
         graphed = torch.cuda.make_graphed_callables(self.model, (self.images[:batch].clone(),))
-        return self.timed(batch, steps, warmup, lambda x, y: self.step(x, y, model=graphed))
+        count = 0
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            nonlocal count
+            self.step(x, y, model=graphed)
+            count += 1
+            if wait_every and count % wait_every == 0:
+                sync(self.device)
+
+        return self.timed(batch, steps, warmup, step)
 
 
-def one_process(rank: int, args, barrier, results) -> None:
+def one_process(rank: int, args, barrier, results, graphed: bool = False) -> None:
     """A child of the K-process measurement: its own model, trained at
-    ``--batch`` from a common start (the barrier)."""
+    ``--batch`` from a common start (the barrier); with ``graphed``, its
+    model's forward and backward through a CUDA graph."""
     from fedaval.datasets import load_dataset
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
     loop = Loop(load_dataset("imagefolder", args.data_root, False), args.model, device, seed=rank)
+    model = torch.cuda.make_graphed_callables(loop.model, (loop.images[: args.batch].clone(),)) if graphed else None
     for x, y in loop.batches(args.batch, args.warmup):
-        loop.step(x, y)
+        loop.step(x, y, model=model)
     sync(device)
     barrier.wait()
     start = time.monotonic()
     for x, y in loop.batches(args.batch, args.steps):
-        loop.step(x, y)
+        loop.step(x, y, model=model)
     sync(device)
     results.put((rank, start, time.monotonic()))
 
 
-def processes_rate(args, k: int) -> float:
+def processes_rate(args, k: int, graphed: bool = False) -> float:
     """Samples per second of ``k`` processes training at once."""
     context = torch.multiprocessing.get_context("spawn")
     barrier = context.Barrier(k)
     results = context.Queue()
-    children = [context.Process(target=one_process, args=(rank, args, barrier, results)) for rank in range(k)]
+    children = [context.Process(target=one_process, args=(rank, args, barrier, results, graphed)) for rank in range(k)]
     for child in children:
         child.start()
     spans = [results.get(timeout=600) for _ in children]
@@ -178,6 +199,18 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="timed steps of each loop")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--processes", default="2,4,10", help="K of the K-process lines (comma-separated)")
+    parser.add_argument(
+        "--graphed-processes",
+        default="2,4",
+        help="K of the K-process lines with each process's model graphed (the GPU only; empty: none)",
+    )
+    parser.add_argument(
+        "--wait-every",
+        type=int,
+        default=16,
+        help="the model-graphed loop once more, the host waiting for the GPU every that many steps "
+        "(16: one client's round of 500 images at batch 32; 0: no such line)",
+    )
     parser.add_argument("--train-per-class", type=int, default=500)
     parser.add_argument("--data-root", default=None, help="an image folder (default: the shared CIFAR-10 subset)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
@@ -232,11 +265,18 @@ def main(argv=None) -> int:
                 print(f"batch {args.batch}, {label}: failed: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
             else:
                 line(f"batch {args.batch}, {label}", rate)
+        if args.wait_every:
+            rate = Loop(data, args.model, device).graphed_model_rate(
+                args.batch, args.steps, args.warmup, wait_every=args.wait_every
+            )
+            line(f"batch {args.batch}, model graphed, a wait every {args.wait_every} steps", rate)
     del loop
     if device.type == "cuda":
         torch.cuda.empty_cache()
     for k in [int(k) for k in args.processes.split(",") if k]:
         line(f"batch {args.batch} x {k} processes", processes_rate(args, k))
+    for k in [int(k) for k in args.graphed_processes.split(",") if k] if device.type == "cuda" else []:
+        line(f"batch {args.batch} x {k} processes, model graphed", processes_rate(args, k, graphed=True))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

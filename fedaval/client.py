@@ -201,7 +201,7 @@ class Client:
                         state[key].copy_(weights[key])
         self.run.hook.fedaval_client_receive(run=self.run, client=self, download=download)
 
-    def train_round(self, round: int, task: int, begins: bool, ends: bool) -> dict[str, float]:
+    def train_round(self, round: int, task: int, begins: bool, ends: bool) -> dict[str, torch.Tensor]:
         """One local round: a single ``strategy.train()`` call on task ``task``.
 
         At the client's first round of the task (``begins``) the task's

@@ -253,11 +253,15 @@ def fedaval_client_task_end(run: Run, client: Client, task: int) -> None:
 
 
 @hookspec(firstresult=True)
-def fedaval_client_train(run: Run, client: Client, round: int) -> dict[str, float] | None:
+def fedaval_client_train(run: Run, client: Client, round: int) -> dict[str, float | torch.Tensor] | None:
     """Run ``client``'s local training for global round ``round`` (1-based).
 
     The core's implementation (``trylast``) calls the client's Avalanche
-    strategy once. Returns the mean of every loss term over the round. A
+    strategy once. Returns the mean of every loss term over the round, each a
+    float or a one-element tensor: the core's are tensors left on the device,
+    read with every client's of the round at once
+    (:func:`fedaval.backends.local.settle`), so the host need not wait for a
+    GPU between clients. A
     ``wrapper=True`` implementation can time or guard the call. Stops at the
     first non-None result."""
 

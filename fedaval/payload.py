@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,39 +59,62 @@ def check_finite(payload: Any, what: str) -> None:
     tensor is finite when its largest absolute value is (NaN propagates
     through the maximum): one ``torch._foreach_norm(..., inf)`` per device
     and dtype instead of an ``isfinite`` and an ``all`` per tensor."""
-    entries: list[tuple[str, Any]] = []  # (path, a floating-point tensor or a float), in payload order
+    check = FiniteCheck(payload, what)
+    check.settle([flags.tolist() for flags in check.flags])
 
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point():
+
+class FiniteCheck:
+    """:func:`check_finite` in two halves: made, it queues the tensors'
+    checks on their devices (``flags``: per device, one bool per tensor,
+    not read yet); :meth:`settle` takes what was read of them and raises as
+    :func:`check_finite` does. Between the two the host does not wait for
+    the device, so a caller can read many checks (and anything else on the
+    device) in one transfer: the in-process backend reads every client's
+    checks of a round at once (:func:`fedaval.backends.local.settle`)."""
+
+    def __init__(self, payload: Any, what: str):
+        entries: list[tuple[str, Any]] = []  # (path, a floating-point tensor or a float), in payload order
+
+        def walk(value: Any, path: str) -> None:
+            if isinstance(value, torch.Tensor):
+                if value.is_floating_point():
+                    entries.append((path, value))
+            elif isinstance(value, float):
                 entries.append((path, value))
-        elif isinstance(value, float):
-            entries.append((path, value))
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{path}[{key!r}]")
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(item, f"{path}[{i}]")
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    walk(item, f"{path}[{key!r}]")
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    walk(item, f"{path}[{i}]")
 
-    walk(payload, what)
-    finite = [math.isfinite(value) if isinstance(value, float) else True for _, value in entries]
-    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
-    for index, (_, value) in enumerate(entries):
-        if isinstance(value, torch.Tensor) and value.numel():  # an empty tensor is finite
-            groups.setdefault(value.device, {}).setdefault(value.dtype, []).append(index)
-    for by_dtype in groups.values():
-        indices = [i for same in by_dtype.values() for i in same]
-        largest = [
-            m.float()
-            for same in by_dtype.values()
-            for m in torch._foreach_norm([entries[i][1] for i in same], math.inf)
-        ]
-        for i, flag in zip(indices, torch.isfinite(torch.stack(largest)).tolist()):
-            finite[i] = flag
-    for (path, value), flag in zip(entries, finite):
-        if not flag:
-            raise FloatingPointError(f"{path} holds {value if isinstance(value, float) else 'non-finite values'}")
+        walk(payload, what)
+        self.entries = entries
+        groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+        for index, (_, value) in enumerate(entries):
+            if isinstance(value, torch.Tensor) and value.numel():  # an empty tensor is finite
+                groups.setdefault(value.device, {}).setdefault(value.dtype, []).append(index)
+        self.indices: list[list[int]] = []  # per device, the entries its flags answer for
+        self.flags: list[torch.Tensor] = []
+        for by_dtype in groups.values():
+            largest = [
+                m.float()
+                for same in by_dtype.values()
+                for m in torch._foreach_norm([entries[i][1] for i in same], math.inf)
+            ]
+            self.indices.append([i for same in by_dtype.values() for i in same])
+            self.flags.append(torch.isfinite(torch.stack(largest)))
+
+    def settle(self, read: Sequence[Sequence[float]]) -> None:
+        """Raise for the first non-finite entry, given ``read``: each of
+        ``flags`` as a list (``flags[i].tolist()``, or its values as floats)."""
+        finite = [math.isfinite(value) if isinstance(value, float) else True for _, value in self.entries]
+        for indices, flags in zip(self.indices, read):
+            for i, flag in zip(indices, flags):
+                finite[i] = bool(flag)
+        for (path, value), flag in zip(self.entries, finite):
+            if not flag:
+                raise FloatingPointError(f"{path} holds {value if isinstance(value, float) else 'non-finite values'}")
 
 
 def merge_entries(results: list[dict[str, Any] | None], what: str) -> dict[str, Any]:

@@ -386,7 +386,10 @@ class HookBridge(SupervisedPlugin):
         else:
             self._sums[name] = value.clone()
 
-    def round_losses(self) -> dict[str, float]:
-        """Mean of each loss term over the minibatches of the last round."""
+    def round_losses(self) -> dict[str, torch.Tensor]:
+        """Mean of each loss term over the minibatches of the last round, as
+        0-d float64 tensors on the device, not read: the backend reads every
+        client's of a round at once (:func:`fedaval.backends.local.settle`).
+        In float64 the float32 sum divides exactly as ``float(total) / steps``."""
         steps = max(self._steps, 1)
-        return {name: float(total) / steps for name, total in self._sums.items()}
+        return {name: total.double() / steps for name, total in self._sums.items()}

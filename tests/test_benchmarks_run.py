@@ -152,7 +152,7 @@ def test_gpu_ceilings_runs_on_the_cpu(cifar10_root):
     )
     for line in ("batch 64 (the limit)", "batch 32, bf16", "batch 32, channels-last", "batch 32 x 2 processes"):
         assert line in out
-    assert "CUDA graph" not in out  # the GPU only
+    assert "CUDA graph" not in out and "model graphed" not in out  # the GPU only
 
 
 def test_round_cost_benchmark_splits_out_the_evaluation_forward_passes():

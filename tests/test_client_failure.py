@@ -215,3 +215,99 @@ def test_check_finite_over_mixed_dtypes_keeps_the_payload_order():
     with pytest.raises(FloatingPointError, match=r"^upload\['s'\] holds non-finite values$"):
         check_finite({"h": torch.ones(2, dtype=torch.float16), "s": strided}, "upload")
     check_finite({"a": payload["a"], "empty": payload["empty"], "b": payload["b"]}, "upload")
+
+
+class CountReads:
+    """Counts what reads a tensor's values back to the host (each a wait for the
+    device on a GPU) while it is active. Torch's data loader and samplers are
+    not counted: their random draws are host tensors on every device."""
+
+    NAMES = ("__bool__", "__float__", "__int__", "item", "tolist", "numpy", "cpu")
+
+    def __init__(self, monkeypatch):
+        self.reads: list[str] = []
+        self.active = False
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _real=real, _name=name, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if self.active and "torch/utils/data/" not in caller.replace("\\", "/"):
+                    self.reads.append(_name)
+                return _real(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_the_in_process_backend_reads_the_device_once_per_round_not_per_client(tiny_config, monkeypatch):
+    """Reading a client's loss terms and its upload's check after each client
+    made a GPU idle while the host set up the next one; now a round's clients
+    are read together, once, after the last (docs/performance.md, item 3)."""
+    from fedaval.backends import LocalBackend
+    from fedaval.build import build_run
+    from fedaval.coordinator import client_extras
+
+    run = build_run(tiny_config(scenario_options={"clients": 4, "tasks": 2}, checkpoint_every=0))
+    counter = CountReads(monkeypatch)
+    backend = LocalBackend()
+    run.server.begin_task(0)
+    for round in (1, 2):
+        run.enter_round(round)
+        download = run.server.download()
+        sampled = run.schedule[round - 1]
+        extras = {k: client_extras(run, k, download) for k in sampled}
+        counter.active = True
+        results = backend.train_clients(run, sampled, download, round, extras)
+        counter.active = False
+        run.server.fuse([r.upload for r in results], round)
+        assert len(results) == 4 and all(r.failure is None for r in results)
+        assert counter.reads == ["tolist"], f"round {round}"  # one device: one read for the 4 clients
+        counter.reads.clear()
+        for result in results:  # settled: plain floats, the means of the round's loss terms
+            assert result.pending is None
+            assert {type(v) for v in result.losses.values()} == {float}
+            assert set(result.losses) == {"loss/classification", "loss/total"}
+
+
+class NaNFirst:
+    """Client 0's loss is NaN in round 2; with ``upload_raises`` its upload hook then raises too."""
+
+    name = "nanfirst"
+
+    def __init__(self, upload_raises: bool):
+        self.upload_raises = upload_raises
+        self.uploads: list[tuple[int, int]] = []
+
+    @hookimpl
+    def fedaval_client_loss(self, run, client, batch):
+        if client.id == 0 and run.round == 2:
+            return {"poison": batch.loss * float("nan")}
+        return {}
+
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        self.uploads.append((run.round, client.id))
+        if self.upload_raises and client.id == 0 and run.round == 2:
+            raise ValueError("cannot summarise NaN features")
+        return {}
+
+
+@pytest.mark.parametrize("upload_raises", [False, True])
+def test_a_non_finite_loss_is_the_failure_named_when_read_after_the_round(tiny_config, upload_raises):
+    """Read after every client of the round has run, client 0's NaN loss still
+    fails it alone, and the reason names the loss term: the loss terms are
+    checked before the upload, also when its upload hooks (which now run
+    before the check) raise on the NaN model."""
+    from fedaval.api import run_training
+
+    plugin, probe = NaNFirst(upload_raises), Probe()
+    results = run_training(
+        tiny_config(scenario_options={"clients": 3, "tasks": 2}, checkpoint_every=0), extra_plugins=[plugin, probe]
+    )
+    assert probe.fused[2] == [1, 2] and probe.fused[3] == [0, 1, 2]
+    failed = results["rounds"][1]["failed_clients"]
+    assert [f["client"] for f in failed] == [0]
+    # the first term in order: the weights are NaN after its first step, so the classification loss is too
+    assert failed[0]["reason"] == "FloatingPointError: loss/classification is nan"
+    assert (2, 0) in plugin.uploads  # its upload hooks ran; the upload was dropped
+    assert all(math.isfinite(v) for r in results["rounds"] for v in r["losses"].values())

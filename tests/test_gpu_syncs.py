@@ -140,3 +140,30 @@ def test_herding_waits_for_the_gpu_once_not_once_a_step():
         order = herding_order(features, 50)
     assert len(order) == 50
     assert len(syncs) <= 2, syncs
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_the_clients_of_a_round_wait_for_the_gpu_once_not_once_each(tiny_config, cuda_graphs):
+    """Each client's loss terms and upload check were read right after it
+    (three waits a client): the GPU then idled while the host received, set
+    up and uploaded the next client, which with ``--cuda-graphs`` and a few
+    minibatches a client is a large share of the round (docs/performance.md,
+    item 3). Now the clients' part of a round (``train_clients``) reads them
+    all at once, after the last client. A round of task 0 after its first
+    (the clients' data already on the GPU), 4 clients."""
+    from fedaval.backends import LocalBackend
+    from fedaval.build import build_run
+    from fedaval.coordinator import client_extras, run_round
+
+    run = build_run(tiny_config(scenario_options={"clients": 4, "tasks": 2}, eval_every=10, cuda_graphs=cuda_graphs))
+    run.server.begin_task(0)
+    run_round(run, 1)
+    run.enter_round(2)
+    download = run.server.download()
+    sampled = run.schedule[1]
+    extras = {k: client_extras(run, k, download) for k in sampled}
+    torch.cuda.synchronize()
+    with counting_synchronisations() as syncs:
+        results = LocalBackend().train_clients(run, sampled, download, 2, extras)
+    assert len(results) == 4 and all(r.failure is None for r in results)
+    assert len(syncs) <= 2, syncs

@@ -8,28 +8,37 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from fedaval.errors import FedavalUsageError
-from fedaval.payload import Upload, check_finite, merge_entries
+from fedaval.payload import FiniteCheck, Upload, merge_entries
 
 if TYPE_CHECKING:
     from fedaval.client import Client
     from fedaval.run import Run
 
-__all__ = ["Backend", "ClientRound", "LocalBackend", "client_round", "check_losses"]
+__all__ = ["Backend", "ClientRound", "LocalBackend", "client_round", "check_losses", "settle"]
 
 
 @dataclass
 class ClientRound:
     """What one client's round produced: its upload and mean loss terms, or
     why it failed (``failure``, one line; ``error`` the exception where the
-    backend has it)."""
+    backend has it).
+
+    Until :func:`settle` reads them, ``losses`` may hold tensors on the
+    device and ``pending`` the upload's queued finiteness check; a backend
+    returns settled rounds only (floats, ``pending`` ``None``)."""
 
     client_id: int
-    losses: dict[str, float] = field(default_factory=dict)
+    losses: dict[str, Any] = field(default_factory=dict)
     upload: Upload | None = None
     failure: str | None = None
     error: BaseException | None = None
-    seconds: float = 0.0  # wall-clock of its local training (fedaval_client_train)
+    # the host's seconds in its receive, local training and upload; a GPU's work queued by them is
+    # waited for once per round, in settle(), and that wait is counted in the round's last client
+    seconds: float = 0.0
+    pending: FiniteCheck | None = field(default=None, repr=False)
 
 
 class Backend(Protocol):
@@ -57,31 +66,116 @@ def check_losses(losses: dict[str, float]) -> None:
 
 
 def client_round(
-    run: Run, client: Client, download: dict[str, Any], round: int, extra: dict[str, Any] | None = None
+    run: Run,
+    client: Client,
+    download: dict[str, Any],
+    round: int,
+    extra: dict[str, Any] | None = None,
+    settle_now: bool = True,
 ) -> ClientRound:
     """One client's part of a round, in its own random streams; a failure
     (an exception, a non-finite loss or upload) is caught and reported.
-    ``extra``: this client's own download entries, on top of ``download``."""
+    ``extra``: this client's own download entries, on top of ``download``.
+
+    Its loss terms and upload are checked once it has uploaded: with
+    ``settle_now`` at once, else by the caller's :func:`settle` of the
+    round's clients together. Either way a client whose loss terms are not
+    finite has also run its upload hooks; its upload is dropped and the
+    failure named is the loss term's, as it is checked first."""
     hook = run.hook
     start = time.perf_counter()  # the client's whole computation: receive, train, upload (FedProK's tau2)
+    losses = None
     with client.rng_scope():
         try:
             assert run.now is not None, "a client round runs inside a round (run.enter_round)"
             client.task = run.now.task
             client.receive({**download, **extra} if extra else download)
             losses = hook.fedaval_client_train(run=run, client=client, round=round) or {}
-            check_losses(losses)
             entries = merge_entries(hook.fedaval_client_upload(run=run, client=client), "upload")
-            check_finite(entries, "upload")
+            check = FiniteCheck(entries, "upload")
         except FedavalUsageError:
             raise  # a plugin misused (a clashing loss-term name): the same in every client, not a client failure
         except Exception as exc:  # noqa: BLE001 - the coordinator applies the failure policy
-            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return ClientRound(client.id, failure=reason, error=exc, seconds=time.perf_counter() - start)
-    seconds = time.perf_counter() - start
-    return ClientRound(
-        client.id, losses=losses, upload=Upload(client.id, client.num_samples(), entries), seconds=seconds
+            problem: BaseException = exc
+            if losses is not None:  # trained: a non-finite loss term is named first, as settle() does
+                try:
+                    check_losses({name: float(value) for name, value in losses.items()})
+                except FloatingPointError as loss_problem:
+                    problem = loss_problem
+            return _failed(ClientRound(client.id, seconds=time.perf_counter() - start), problem)
+    result = ClientRound(
+        client.id,
+        losses=losses,
+        upload=Upload(client.id, client.num_samples(), entries),
+        seconds=time.perf_counter() - start,
+        pending=check,
     )
+    if settle_now:
+        settle([result])
+    return result
+
+
+def _failed(result: ClientRound, exc: BaseException) -> ClientRound:
+    result.failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    result.error = exc
+    result.losses, result.upload, result.pending = {}, None, None
+    return result
+
+
+def settle(results: list[ClientRound]) -> None:
+    """Read what the clients' rounds left on their devices (loss terms held
+    as tensors, the uploads' finiteness checks) in one transfer per device,
+    and fail the clients whose loss terms or upload are not finite.
+
+    On a GPU each read waits for every kernel queued before it. Read after
+    each client, the GPU would finish that client's queued steps and then
+    idle while the host uploads it and receives and sets up the next one;
+    read once after all of them, the host queues the next client while the
+    GPU still trains the last (docs/performance.md, "On a GPU", item 3)."""
+    read = _DeviceReads()
+    plan = []
+    for result in results:
+        if result.failure is not None or result.pending is None:
+            continue
+        losses = {
+            name: read.add(value.detach().reshape(1)) if isinstance(value, torch.Tensor) else value
+            for name, value in result.losses.items()
+        }
+        plan.append((result, losses, [read.add(flags) for flags in result.pending.flags]))
+    read.read()
+    for result, losses, flags in plan:
+        pending = result.pending
+        assert pending is not None, "planned above"
+        values = {name: read.get(value)[0] if isinstance(value, tuple) else value for name, value in losses.items()}
+        try:
+            check_losses(values)
+            pending.settle([read.get(f) for f in flags])
+        except FloatingPointError as exc:
+            _failed(result, exc)
+            continue
+        result.losses, result.pending = values, None
+
+
+class _DeviceReads:
+    """Tensors to read back, one transfer per device: :meth:`add` them (each
+    flattened), :meth:`read` once, then :meth:`get` each as a list of floats."""
+
+    def __init__(self):
+        self._queued: dict[torch.device, list[torch.Tensor]] = {}
+        self._read: dict[torch.device, list[float]] = {}
+
+    def add(self, tensor: torch.Tensor) -> tuple[torch.device, int, int]:
+        queued = self._queued.setdefault(tensor.device, [])
+        offset = sum(t.numel() for t in queued)
+        queued.append(tensor.reshape(-1).double())
+        return tensor.device, offset, tensor.numel()
+
+    def read(self) -> None:
+        self._read = {device: torch.cat(tensors).tolist() for device, tensors in self._queued.items()}
+
+    def get(self, place: tuple[torch.device, int, int]) -> list[float]:
+        device, offset, length = place
+        return self._read[device][offset : offset + length]
 
 
 class LocalBackend:
@@ -98,4 +192,11 @@ class LocalBackend:
         extras: dict[int, dict[str, Any]] | None = None,
     ) -> list[ClientRound]:
         extras = extras or {}
-        return [client_round(run, run.clients[k], download, round, extras.get(k)) for k in client_ids]
+        results = [
+            client_round(run, run.clients[k], download, round, extras.get(k), settle_now=False) for k in client_ids
+        ]
+        start = time.perf_counter()
+        settle(results)  # the round's one wait for the device (see settle)
+        if results:
+            results[-1].seconds += time.perf_counter() - start
+        return results
