@@ -19,7 +19,10 @@ item 3): this benchmark measures it apart from the model.
   local training seconds (their ``train()`` calls, receiving and uploading
   included, so a client's per-round costs are spread over its steps: about
   70 a round here) divided by their minibatches (the first round pays for
-  set-up, the last evaluates);
+  set-up, the last evaluates); and, per client round, what of those seconds
+  falls outside the span from its first epoch's start to its last step's
+  end (receiving, the strategy's set-up and tear-down, uploading): with
+  ``--cuda-graphs`` a client of a few minibatches pays it once a round;
 * **plain**: the same model, optimizer and batch size in a loop of
   ``--plain-steps`` steps over the same images on the same device (indices
   drawn on the device, no synchronisation in the loop).
@@ -80,7 +83,37 @@ class ModelPlugin:
         return many_small_parameters(run.data.input_shape, run.num_classes)
 
 
-def fedaval_step_seconds(args, out: Path) -> float:
+class SpanPlugin:
+    """Records, per round, each client's span from its first epoch's start to
+    its last step's end: what of its round is minibatches."""
+
+    name = "step-host-span"
+
+    def __init__(self):
+        self.first: float | None = None
+        self.last: float | None = None
+        self.spans: dict[int, list[float]] = {}
+
+    @hookimpl
+    def fedaval_client_epoch_start(self, run, client, epoch):
+        if epoch == 0:
+            self.first = time.perf_counter()
+
+    @hookimpl
+    def fedaval_client_step(self, run, client, batch):
+        self.last = time.perf_counter()
+
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        assert self.first is not None and self.last is not None, "a client trains before it uploads"
+        self.spans.setdefault(run.round, []).append(self.last - self.first)
+        return {}
+
+
+def fedaval_step_seconds(args, out: Path) -> tuple[float, float]:
+    """fedaval's seconds per step, and per client round its host's seconds
+    outside the span of its minibatches (receiving, the strategy's set-up
+    and tear-down, uploading)."""
     from timed_rounds import timed_rounds
 
     from fedaval.api import check_settings
@@ -106,13 +139,15 @@ def fedaval_step_seconds(args, out: Path) -> float:
             out=str(out),
         )
     )
-    timed = timed_rounds(config, extra_plugins=[ModelPlugin()])
+    spans = SpanPlugin()
+    timed = timed_rounds(config, extra_plugins=[ModelPlugin(), spans])
     samples = timed.results["scenario"]["client_task_samples"]  # one task, every client every round
     steps = args.local_epochs * sum(math.ceil(client[0] / args.batch_size) for client in samples)
     records = timed.records[1:-1]  # the first round sets up, the last evaluates
     if not records:
         raise SystemExit("--rounds must be at least 3 (the first and the last round are not timed)")
-    return statistics.median(r["seconds_local"] for r in records) / steps
+    outside = [(r["seconds_local"] - sum(spans.spans[r["round"]])) / len(r["clients"]) for r in records]
+    return statistics.median(r["seconds_local"] for r in records) / steps, statistics.median(outside)
 
 
 def plain_step_seconds(args, device: torch.device) -> float:
@@ -168,16 +203,23 @@ def main(argv=None) -> int:
         f"{args.clients} clients, batch {args.batch_size}; fedaval{' --cuda-graphs' if args.cuda_graphs else ''}",
         flush=True,
     )
-    fedaval_us, plain_us = [], []
+    fedaval_us, plain_us, outside_ms = [], [], []
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="fedaval-step-host-") as tmp:
-            fedaval_us.append(fedaval_step_seconds(args, Path(tmp) / "run") * 1e6)
+            step, outside = fedaval_step_seconds(args, Path(tmp) / "run")
+        fedaval_us.append(step * 1e6)
+        outside_ms.append(outside * 1e3)
         plain_us.append(plain_step_seconds(args, device) * 1e6)
-        print(f"repeat {repeat}: fedaval {fedaval_us[-1]:.0f} us/step, plain {plain_us[-1]:.0f} us/step", flush=True)
+        print(
+            f"repeat {repeat}: fedaval {fedaval_us[-1]:.0f} us/step, plain {plain_us[-1]:.0f} us/step; "
+            f"a client round outside its minibatches {outside_ms[-1]:.2f} ms",
+            flush=True,
+        )
     fedaval, plain = statistics.median(fedaval_us), statistics.median(plain_us)
     print(
         f"median: fedaval {fedaval:.0f} us/step, plain {plain:.0f} us/step; fedaval's own host work "
-        f"{fedaval - plain:.0f} us/step (ratio {fedaval / plain:.2f})"
+        f"{fedaval - plain:.0f} us/step (ratio {fedaval / plain:.2f}); a client round outside its "
+        f"minibatches {statistics.median(outside_ms):.2f} ms"
     )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0

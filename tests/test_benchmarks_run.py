@@ -77,6 +77,8 @@ def test_round_throughput_benchmark_runs(cifar10_root):
 def test_step_host_benchmark_runs():
     out = run("step_host.py", "--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--local-epochs", "1")
     assert "62 backbone parameters" in out and "fedaval's own host work" in out
+    outside = float(out.split("a client round outside its minibatches ")[-1].split(" ms")[0])
+    assert 0 < outside < 1000  # the round's host seconds less its minibatches' span, per client
 
 
 def test_glfc_task_steps_benchmark_runs_and_herds_as_avalanche():
