@@ -162,13 +162,14 @@ class _DeviceReads:
 
     def __init__(self):
         self._queued: dict[torch.device, list[torch.Tensor]] = {}
+        self._sizes: dict[torch.device, int] = {}
         self._read: dict[torch.device, list[float]] = {}
 
     def add(self, tensor: torch.Tensor) -> tuple[torch.device, int, int]:
-        queued = self._queued.setdefault(tensor.device, [])
-        offset = sum(t.numel() for t in queued)
-        queued.append(tensor.reshape(-1).double())
-        return tensor.device, offset, tensor.numel()
+        device, offset = tensor.device, self._sizes.get(tensor.device, 0)
+        self._queued.setdefault(device, []).append(tensor.reshape(-1).double())
+        self._sizes[device] = offset + tensor.numel()
+        return device, offset, tensor.numel()
 
     def read(self) -> None:
         self._read = {device: torch.cat(tensors).tolist() for device, tensors in self._queued.items()}
