@@ -311,3 +311,27 @@ def test_a_non_finite_loss_is_the_failure_named_when_read_after_the_round(tiny_c
     assert failed[0]["reason"] == "FloatingPointError: loss/classification is nan"
     assert (2, 0) in plugin.uploads  # its upload hooks ran; the upload was dropped
     assert all(math.isfinite(v) for r in results["rounds"] for v in r["losses"].values())
+
+
+def test_settle_reads_every_client_together_and_fails_only_the_bad_ones():
+    """Three clients' rounds read at once: loss means held as tensors become
+    floats; a non-finite upload fails its client alone, named by its first
+    bad entry; a float loss term is checked as a tensor one is."""
+    from fedaval.backends.local import ClientRound, settle
+    from fedaval.payload import FiniteCheck, Upload
+
+    def pending(client_id, losses, entries):
+        return ClientRound(
+            client_id, losses=losses, upload=Upload(client_id, 10, entries), pending=FiniteCheck(entries, "upload")
+        )
+
+    good = pending(0, {"loss/total": torch.tensor(0.25, dtype=torch.float64)}, {"w": torch.ones(3)})
+    bad_upload = pending(1, {"loss/total": torch.tensor(0.5)}, {"w": torch.ones(2), "b": torch.tensor([1.0, math.inf])})
+    bad_float = pending(2, {"loss/total": torch.tensor(0.5), "loss/extra": math.nan}, {"w": torch.ones(2)})
+    already = ClientRound(3, failure="RuntimeError: earlier")
+    settle([good, bad_upload, bad_float, already])
+    assert good.failure is None and good.losses == {"loss/total": 0.25} and good.pending is None
+    assert bad_upload.failure == "FloatingPointError: upload['b'] holds non-finite values"
+    assert bad_upload.upload is None and bad_upload.losses == {}
+    assert bad_float.failure == "FloatingPointError: loss/extra is nan"
+    assert already.failure == "RuntimeError: earlier"
