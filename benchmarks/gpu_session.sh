@@ -102,8 +102,8 @@ if [ "${1:-}" = "--full-scale" ]; then
     # Item 4: FedProK's Table 1 (configs/repro-fedprok-table1.toml) and GLDP's Table 2
     # (configs/repro-gldp-table2.toml, rows named t2-<row>, with its [paper.full-scale] changes) at the
     # papers' scale: ResNet-18 on all of CIFAR-10 (docs/reproduction.md, "At the papers' scale"). First, alone on the GPU,
-    # item 3's throughput (THROUGHPUT_S=0 skips it), its ceilings when CEILINGS_S is given, item 2's
-    # overhead when OVERHEAD_S is given, and FedProK's
+    # item 3's throughput (THROUGHPUT_S=0 skips it), its ceilings and the host's time per graphed step
+    # when CEILINGS_S and STEP_HOST_S are given, item 2's overhead when OVERHEAD_S is given, and FedProK's
     # classifier fit on the CPU and the GPU (FIT_S=0 skips it); the sync-count test beside the runs
     # (SYNCS_S=0 skips it); then the rows in JOBS
     # ("row:seed", a row being a key of a config's [paper.runs] in lower case, spaces as '-', with
@@ -139,6 +139,9 @@ if [ "${1:-}" = "--full-scale" ]; then
         # item 2: the CNN's overhead against the plain loop, with a profile (OVERHEAD_S, off by default)
         [ "${OVERHEAD_S:-0}" = 0 ] ||
             step "$OVERHEAD_S" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --profile
+        # the host's time per graphed step and per client round, fedaval against a plain loop (STEP_HOST_S, off by default)
+        [ "${STEP_HOST_S:-0}" = 0 ] ||
+            step "$STEP_HOST_S" step-host.txt python3 benchmarks/step_host.py --device cuda --cuda-graphs --repeats 3
         # FedProK's classifier fit per iteration on this machine's CPU (fedprok.fit_device=cpu, the default)
         # and on its GPU, alone, at full scale's shapes (FIT_S=0 skips it)
         [ "${FIT_S:-45}" = 0 ] ||
