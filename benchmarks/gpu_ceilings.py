@@ -239,6 +239,15 @@ def main(argv=None) -> int:
     def line(label: str, rate: float) -> None:
         print(f"{label:<32} {rate:>10,.0f} samples/s   {rate / limit:6.3f} x the limit", flush=True)
 
+    def attempt(label: str, measure) -> None:
+        """``line(label, measure())``, or a line saying why it failed (the GPU's new lines are untried)."""
+        try:
+            rate = measure()
+        except Exception as exc:  # noqa: BLE001 - a measurement that fails is a line, not the end
+            print(f"{label}: failed: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
+        else:
+            line(label, rate)
+
     line(f"batch {args.limit_batch} (the limit)", limit)
     line(
         f"batch {args.limit_batch}, bf16",
@@ -266,17 +275,19 @@ def main(argv=None) -> int:
             else:
                 line(f"batch {args.batch}, {label}", rate)
         if args.wait_every:
-            rate = Loop(data, args.model, device).graphed_model_rate(
-                args.batch, args.steps, args.warmup, wait_every=args.wait_every
+            attempt(
+                f"batch {args.batch}, model graphed, a wait every {args.wait_every} steps",
+                lambda: Loop(data, args.model, device).graphed_model_rate(
+                    args.batch, args.steps, args.warmup, wait_every=args.wait_every
+                ),
             )
-            line(f"batch {args.batch}, model graphed, a wait every {args.wait_every} steps", rate)
     del loop
     if device.type == "cuda":
         torch.cuda.empty_cache()
     for k in [int(k) for k in args.processes.split(",") if k]:
         line(f"batch {args.batch} x {k} processes", processes_rate(args, k))
     for k in [int(k) for k in args.graphed_processes.split(",") if k] if device.type == "cuda" else []:
-        line(f"batch {args.batch} x {k} processes, model graphed", processes_rate(args, k, graphed=True))
+        attempt(f"batch {args.batch} x {k} processes, model graphed", lambda k=k: processes_rate(args, k, graphed=True))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
