@@ -240,7 +240,7 @@ log "phase A done"
 
 # phase B: timings, one at a time
 step "${OVERHEAD_S:-45}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --profile
-step "${CEILINGS_S:-110}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes ""
+step "${CEILINGS_S:-130}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes ""
 # the host's work per step apart from the model (62 tiny parameters): fedaval with graphs against a plain loop
 step "${STEP_HOST_S:-60}" step-host.txt python3 benchmarks/step_host.py --device cuda --cuda-graphs
 # where a graphed round's host time goes (with graphs the host, not the GPU, bounds a step): 3 clients,
