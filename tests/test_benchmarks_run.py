@@ -81,6 +81,14 @@ def test_step_host_benchmark_runs():
     assert 0 < outside < 1000  # the round's host seconds less its minibatches' span, per client
 
 
+def test_ewc_penalty_benchmark_compares_avalanches_plugin_with_fedewcs():
+    out = run("ewc_penalty.py", "--model", "cnn", "--experiences", "2", "--steps", "2", "--repeats", "1")
+    assert "Avalanche's EWCPlugin" in out and "FusedEWCPlugin" in out
+    line = out.split("largest relative difference: penalty ")[-1].splitlines()[0]  # "9.8e-08, gradients 0.0e+00"
+    penalty, gradients = (float(part.split()[-1]) for part in line.split(","))
+    assert penalty < 1e-6 and gradients < 1e-5  # the same sums, added up in another order
+
+
 def test_glfc_task_steps_benchmark_runs_and_herds_as_avalanche():
     out = run("glfc_task_steps.py", "--rows", "300", "--dim", "32", "--quota", "40", "--repeats", "1")
     assert "same order: True" in out and "gradient inversion" in out

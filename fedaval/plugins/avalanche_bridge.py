@@ -10,7 +10,9 @@ Each client gets one fresh instance of an Avalanche training plugin (through
 * **FedEWC** (``EWCPlugin``): importances and the anchor weights are computed
   once per task, at the client's last round of the task, on the client's
   *local* model before it uploads (the reading chosen: Avalanche's plugin
-  unchanged), keyed by the client's own experience counter (tasks it trained).
+  unchanged but for how its penalty is added up, in a few batched operations:
+  :mod:`fedaval.plugins.ewc_penalty`), keyed by the client's own experience
+  counter (tasks it trained).
 * **FedLwF** (``LwFPlugin``): the teacher is snapshotted once per task, same
   moment: the client's local model at the end of its last round of the task.
 * **FedReplay** (``ReplayPlugin``): *random* experience replay, not FediCaRL
@@ -73,9 +75,13 @@ class AvalancheBridge(Plugin):
     def avalanche_kwargs(self) -> dict[str, Any]:
         return dataclasses.asdict(self.options) if self.options is not None else {}
 
+    def plugin_class(self) -> type:
+        """The class each client gets an instance of: ``avalanche_class``."""
+        return load_avalanche_class(self.avalanche_class)
+
     @hookimpl
     def fedaval_client_avalanche_plugins(self, run, client):
-        cls = load_avalanche_class(self.avalanche_class)
+        cls = self.plugin_class()
         plugin = cls(**self.avalanche_kwargs())
         client.stash[self.stash_key] = plugin
         return [plugin]
@@ -87,11 +93,18 @@ class AvalancheBridge(Plugin):
 
 
 class FedEWC(AvalancheBridge):
-    """FedAvg + Avalanche's EWCPlugin on every client."""
+    """FedAvg + Avalanche's EWCPlugin on every client, its penalty computed
+    with batched operations (:class:`fedaval.plugins.ewc_penalty.FusedEWCPlugin`:
+    the same sum, far fewer kernel launches a minibatch)."""
 
     name = "fedewc"
     description = "FedEWC: FedAvg + Avalanche's EWC on every client (importances once per task)"
     avalanche_class = "EWCPlugin"
+
+    def plugin_class(self) -> type:
+        from fedaval.plugins.ewc_penalty import FusedEWCPlugin
+
+        return FusedEWCPlugin
 
     @dataclasses.dataclass
     class Options:
