@@ -262,6 +262,46 @@ def test_fedewc_gives_each_client_the_batched_penalty(tiny_config):
     assert all(type(run.plugins.objects["fedewc"].instance(c)) is FusedEWCPlugin for c in run.clients)
 
 
+def test_fedlwf_distillation_is_avalanches_without_a_host_tensor_a_minibatch(tiny_config):
+    """Avalanche picks the old classes' outputs with a Python list, which
+    becomes a tensor on the host (``lift_fresh``), copied to a GPU with a
+    wait, twice a minibatch. FedLwF's plugin picks them with an index made on
+    the device once: the same loss and gradients, bit for bit."""
+    import torch
+    from avalanche.training import LearningWithoutForgetting
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fedaval.plugins.lwf_distillation import DeviceIndexLwF, DeviceIndexLwFPlugin
+
+    class HostTensors(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.made += func is torch.ops.aten.lift_fresh.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    teacher, x = torch.nn.Linear(6, 8), torch.randn(5, 6)
+    results = []
+    for cls in (LearningWithoutForgetting, DeviceIndexLwF):
+        lwf = cls(alpha=1.5, temperature=2)
+        lwf.prev_model = teacher
+        lwf.prev_classes_by_task[0] = {0, 3, 5}
+        for _ in range(2):  # the second minibatch is counted
+            out = torch.randn(5, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+            with HostTensors() as host:
+                loss = lwf(x, out, None)
+                loss.backward()
+        results.append((loss.item(), out.grad, host.made))
+    (avalanche_loss, avalanche_grad, avalanche_made), (loss, grad, made) = results
+    assert loss == avalanche_loss and torch.equal(grad, avalanche_grad)
+    assert avalanche_made == 2 and made == 0
+    run = build_run(tiny_config(plugins=["fedlwf"]), out_dir=None)
+    assert all(type(run.plugins.objects["fedlwf"].instance(c)) is DeviceIndexLwFPlugin for c in run.clients)
+
+
 # --- every baseline in every scenario -------------------------------------------
 
 SCENARIOS = {

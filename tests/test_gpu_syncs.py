@@ -74,7 +74,9 @@ def test_a_round_does_not_synchronise_per_minibatch(tiny_config, model, cuda_gra
     assert syncs < minibatches / 2, f"{syncs} syncs for {minibatches} minibatches, at {places}"
 
 
-@pytest.mark.parametrize("plugin", ["fedprok", "gldp", "apfl", "target", "ficarl", "fedspace", "glfc", "fedewc"])
+@pytest.mark.parametrize(
+    "plugin", ["fedprok", "gldp", "apfl", "target", "ficarl", "fedspace", "glfc", "fedewc", "fedlwf"]
+)
 def test_a_methods_round_does_not_synchronise_per_minibatch(tiny_config, tmp_path, plugin):
     """FedProK's feature translation (Eq. 8), in the local minibatches (and,
     until session 14, in the minibatches of its classifier fit); GLDP's relation losses (Eqs. 7/8
@@ -85,7 +87,9 @@ def test_a_methods_round_does_not_synchronise_per_minibatch(tiny_config, tmp_pat
     beside six full-scale runs, this case had not finished in 240 s: its
     round's task end herded and its proxy inverted on the shared GPU, both
     since changed); FedEWC's penalty (Avalanche's made its zero on the CPU and copied it, once a
-    minibatch from the second task on; fedaval.plugins.ewc_penalty, session 28). (PFCL's loss still waits a few times per minibatch:
+    minibatch from the second task on; fedaval.plugins.ewc_penalty, session 28); FedLwF's
+    distillation (Avalanche's picked the old classes with a Python list, copied twice a minibatch;
+    fedaval.plugins.lwf_distillation, session 28). (PFCL's loss still waits a few times per minibatch:
     its sync-free form moves the float rounding, and waits for its table's
     re-run; see its docstring.)
     Each waited for the GPU several times per minibatch: at full scale (ResNet-18,

@@ -14,7 +14,9 @@ Each client gets one fresh instance of an Avalanche training plugin (through
   :mod:`fedaval.plugins.ewc_penalty`), keyed by the client's own experience
   counter (tasks it trained).
 * **FedLwF** (``LwFPlugin``): the teacher is snapshotted once per task, same
-  moment: the client's local model at the end of its last round of the task.
+  moment: the client's local model at the end of its last round of the task
+  (Avalanche's plugin, the old classes' outputs picked with an index kept on
+  the device: :mod:`fedaval.plugins.lwf_distillation`).
 * **FedReplay** (``ReplayPlugin``): *random* experience replay, not FediCaRL
   (no herding selection, no nearest-mean-of-exemplars classifier, no
   distillation; FediCaRL proper comes with the FCIL baselines). The memory
@@ -122,11 +124,19 @@ class FedEWC(AvalancheBridge):
 
 
 class FedLwF(AvalancheBridge):
-    """FedAvg + Avalanche's LwFPlugin on every client."""
+    """FedAvg + Avalanche's LwFPlugin on every client, its old classes'
+    outputs picked with an index kept on the device
+    (:class:`fedaval.plugins.lwf_distillation.DeviceIndexLwFPlugin`: the same
+    values, no wait for a GPU a minibatch)."""
 
     name = "fedlwf"
     description = "FedLwF: FedAvg + Avalanche's LwF distillation on every client (teacher once per task)"
     avalanche_class = "LwFPlugin"
+
+    def plugin_class(self) -> type:
+        from fedaval.plugins.lwf_distillation import DeviceIndexLwFPlugin
+
+        return DeviceIndexLwFPlugin
 
     @dataclasses.dataclass
     class Options:
