@@ -36,6 +36,8 @@ from round_throughput import sync  # noqa: E402 - this folder
 
 
 class CountOps(TorchDispatchMode):
+    """Counts the ATen operations dispatched inside it (on a GPU, about one kernel launch each)."""
+
     def __init__(self):
         super().__init__()
         self.ops = 0
