@@ -240,7 +240,8 @@ def main(argv=None) -> int:
         print(f"{label:<32} {rate:>10,.0f} samples/s   {rate / limit:6.3f} x the limit", flush=True)
 
     def attempt(label: str, measure) -> None:
-        """``line(label, measure())``, or a line saying why it failed (the GPU's new lines are untried)."""
+        """``line(label, measure())``, or a line saying why it failed: a capture or a process that
+        fails is a line, not the end."""
         try:
             rate = measure()
         except Exception as exc:  # noqa: BLE001 - a measurement that fails is a line, not the end
@@ -268,12 +269,12 @@ def main(argv=None) -> int:
             "model graphed": "graphed_model_rate",  # forward and backward only
         }
         for label, method in graphs.items():
-            try:
-                rate = getattr(Loop(data, args.model, device), method)(args.batch, args.steps, args.warmup)
-            except Exception as exc:  # noqa: BLE001 - a capture that fails is a line, not the end
-                print(f"batch {args.batch}, {label}: failed: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
-            else:
-                line(f"batch {args.batch}, {label}", rate)
+            attempt(
+                f"batch {args.batch}, {label}",
+                lambda method=method: getattr(Loop(data, args.model, device), method)(
+                    args.batch, args.steps, args.warmup
+                ),
+            )
         if args.wait_every:
             attempt(
                 f"batch {args.batch}, model graphed, a wait every {args.wait_every} steps",

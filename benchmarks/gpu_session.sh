@@ -98,6 +98,16 @@ step() {  # step SECONDS FILE COMMAND...: run with a time limit, output to $WORK
     pack
 }
 
+# items 2 and 3's measurements, run by both modes: each takes its time limit, then any extra arguments
+throughput() { step "$1" throughput.txt python3 benchmarks/round_throughput.py --device cuda --cuda-graphs both; }
+ceilings() { step "$1" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes ""; }
+overhead() { step "$1" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --profile; }
+step_host() {
+    local limit=$1
+    shift
+    step "$limit" step-host.txt python3 benchmarks/step_host.py --device cuda --cuda-graphs "$@"
+}
+
 if [ "${1:-}" = "--full-scale" ]; then
     # Item 4: FedProK's Table 1 (configs/repro-fedprok-table1.toml) and GLDP's Table 2
     # (configs/repro-gldp-table2.toml, rows named t2-<row>, with its [paper.full-scale] changes) at the
@@ -131,17 +141,13 @@ if [ "${1:-}" = "--full-scale" ]; then
     if [ "${DEVICE%%:*}" = cuda ]; then
         GRAPHS=--cuda-graphs
         # benchmarks/cifar_data.py makes its subset from $DATA_ROOT when it is /tmp/cifar10-full
-        [ "${THROUGHPUT_S:-60}" = 0 ] ||
-            step "${THROUGHPUT_S:-60}" throughput.txt python3 benchmarks/round_throughput.py --device cuda --cuda-graphs both
+        [ "${THROUGHPUT_S:-60}" = 0 ] || throughput "${THROUGHPUT_S:-60}"
         # what a wait per client costs a graphed loop, and graphed loops in 2 and 4 processes (CEILINGS_S, off by default)
-        [ "${CEILINGS_S:-0}" = 0 ] ||
-            step "$CEILINGS_S" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes ""
+        [ "${CEILINGS_S:-0}" = 0 ] || ceilings "$CEILINGS_S"
         # item 2: the CNN's overhead against the plain loop, with a profile (OVERHEAD_S, off by default)
-        [ "${OVERHEAD_S:-0}" = 0 ] ||
-            step "$OVERHEAD_S" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --profile
+        [ "${OVERHEAD_S:-0}" = 0 ] || overhead "$OVERHEAD_S"
         # the host's time per graphed step and per client round, fedaval against a plain loop (STEP_HOST_S, off by default)
-        [ "${STEP_HOST_S:-0}" = 0 ] ||
-            step "$STEP_HOST_S" step-host.txt python3 benchmarks/step_host.py --device cuda --cuda-graphs --repeats 3
+        [ "${STEP_HOST_S:-0}" = 0 ] || step_host "$STEP_HOST_S" --repeats 3
         # FedProK's classifier fit per iteration on this machine's CPU (fedprok.fit_device=cpu, the default)
         # and on its GPU, alone, at full scale's shapes (FIT_S=0 skips it)
         [ "${FIT_S:-45}" = 0 ] ||
@@ -228,7 +234,7 @@ export PYTHONWARNINGS=ignore
 
 # first the number this session is for: fedaval's rounds without and with --cuda-graphs, against the
 # batch-320 loop, in one invocation (item 3's before and after)
-step "${THROUGHPUT_S:-100}" throughput.txt python3 benchmarks/round_throughput.py --device cuda --cuda-graphs both
+throughput "${THROUGHPUT_S:-100}"
 
 # phase A: correctness, side by side. The suite with its runs on the GPU (its
 # CPU runs are what CI checks); on 16 cores with 15 workers it took 145 s.
@@ -239,10 +245,10 @@ wait
 log "phase A done"
 
 # phase B: timings, one at a time
-step "${OVERHEAD_S:-45}" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --profile
-step "${CEILINGS_S:-130}" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes ""
+overhead "${OVERHEAD_S:-45}"
+ceilings "${CEILINGS_S:-130}"
 # the host's work per step apart from the model (62 tiny parameters): fedaval with graphs against a plain loop
-step "${STEP_HOST_S:-60}" step-host.txt python3 benchmarks/step_host.py --device cuda --cuda-graphs
+step_host "${STEP_HOST_S:-60}"
 # where a graphed round's host time goes (with graphs the host, not the GPU, bounds a step): 3 clients,
 # since session 12's 10-client torch profiles ran out of 40 and 60 s
 step "${PROFILE_S:-90}" cprofile.txt python3 benchmarks/round_throughput.py --device cuda --rounds 3 --clients 3 \

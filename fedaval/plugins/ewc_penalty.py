@@ -2,8 +2,8 @@
 
 Avalanche's ``EWCPlugin.before_backward`` adds, for every past experience
 and every parameter tensor, ``(importance * (current - saved) ** 2).sum()`` to
-the loss: some five operations forward and as many backward per parameter
-tensor and experience. For ResNet-18 (62 parameter tensors) at a client's
+the loss: some eleven operations forward and backward per parameter tensor
+and experience. For ResNet-18 (62 parameter tensors) at a client's
 fifth task that is 2,735 operations a minibatch, each a kernel launch on a
 GPU, where a ResNet-18 step is itself a few hundred (GPU session 23:
 FedEWC's full-scale rounds took 14 s against FedAvg's 3). Here the penalty
@@ -11,9 +11,9 @@ is one autograd function (:class:`EWCPenalty`) whose forward takes three
 ``torch._foreach_*`` calls per experience over all the tensors at once and
 one sum per tensor, and whose backward a few ``torch._foreach_*`` calls
 (autograd through ``_foreach_*`` calls would run their backward tensor by
-tensor): ``benchmarks/ewc_penalty.py`` counts and times both. Everything else, the importances, the anchor
-weights, their expansion when a parameter grows, the two modes, is
-Avalanche's plugin unchanged.
+tensor): ``benchmarks/ewc_penalty.py`` counts and times both. Everything
+else, the importances, the anchor weights, their expansion when a parameter
+grows, the two modes, is Avalanche's plugin unchanged.
 
 The value is the same sum: each tensor's sum is Avalanche's, bit for bit,
 and only the sum of those is added up in another order. The gradient is its
