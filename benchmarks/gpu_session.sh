@@ -113,7 +113,8 @@ if [ "${1:-}" = "--full-scale" ]; then
     # (configs/repro-gldp-table2.toml, rows named t2-<row>, with its [paper.full-scale] changes) at the
     # papers' scale: ResNet-18 on all of CIFAR-10 (docs/reproduction.md, "At the papers' scale"). First, alone on the GPU,
     # item 3's throughput (THROUGHPUT_S=0 skips it), its ceilings and the host's time per graphed step
-    # when CEILINGS_S and STEP_HOST_S are given, item 2's overhead when OVERHEAD_S is given, and FedProK's
+    # when CEILINGS_S and STEP_HOST_S are given, item 2's overhead when OVERHEAD_S is given, FedEWC's penalty
+    # when EWC_S is given, and FedProK's
     # classifier fit on the CPU and the GPU (FIT_S=0 skips it); the sync-count test beside the runs
     # (SYNCS_S=0 skips it); then the rows in JOBS
     # ("row:seed", a row being a key of a config's [paper.runs] in lower case, spaces as '-', with
@@ -148,6 +149,8 @@ if [ "${1:-}" = "--full-scale" ]; then
         [ "${OVERHEAD_S:-0}" = 0 ] || overhead "$OVERHEAD_S"
         # the host's time per graphed step and per client round, fedaval against a plain loop (STEP_HOST_S, off by default)
         [ "${STEP_HOST_S:-0}" = 0 ] || step_host "$STEP_HOST_S" --repeats 3
+        # FedEWC's penalty, Avalanche's against fedaval's fused one, on the GPU (EWC_S, off by default)
+        [ "${EWC_S:-0}" = 0 ] || step "$EWC_S" ewc-penalty.txt python3 benchmarks/ewc_penalty.py --device cuda
         # FedProK's classifier fit per iteration on this machine's CPU (fedprok.fit_device=cpu, the default)
         # and on its GPU, alone, at full scale's shapes (FIT_S=0 skips it)
         [ "${FIT_S:-45}" = 0 ] ||
