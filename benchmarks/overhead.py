@@ -25,13 +25,17 @@ compares the frameworks alone; ``benchmarks/host_memory.py`` measures that
 policy, and ``pfl_overhead.py`` gives each run a process of its own.
 
 Prints the median wall time of each over ``--repeats`` alternating repeats and
-their ratio; ``--write`` puts the table in benchmarks/results/overhead.md.
+their ratio, then where each side's seconds go (:data:`PHASES`: outside the
+rounds, local training, fusion, evaluation, the rest of the rounds; medians
+over the repeats, and their difference per round); ``--write`` puts the first
+table in benchmarks/results/overhead.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import platform
 import statistics
@@ -117,7 +121,50 @@ def cross_device_work(clients: int, rounds: int) -> argparse.Namespace:
 
 
 # --- fedaval ----------------------------------------------------------------
-def time_fedaval(args, out: Path) -> tuple[float, dict[str, torch.Tensor]]:
+PHASES = ("outside the rounds", "local training", "fusion", "evaluation", "rest of the rounds")
+"""Where a run's seconds go, printed beside the ratio. fedaval's side reads
+them from its rounds.jsonl (``seconds_local``, ``seconds_fusion``,
+``seconds_eval``, and what else its rounds' ``seconds`` hold); outside the
+rounds are building the run, each round's writes (rounds.jsonl, results.json
+on its schedule, TensorBoard) and checkpoint snapshots, and finishing. The
+plain loop takes the time at the same boundaries: set-up (outside the
+rounds); receiving, training and uploading; the average; the evaluation. On a
+GPU neither side waits at a boundary it would not wait at anyway, so kernels
+queued in one phase may run in the next."""
+
+
+def fedaval_phases(out: Path, seconds: float) -> dict[str, float]:
+    """:data:`PHASES` of the fedaval run in ``out`` that took ``seconds`` in all."""
+    records = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines() if line]
+    local, fusion, evaluation = (
+        sum(r[key] for r in records) for key in ("seconds_local", "seconds_fusion", "seconds_eval")
+    )
+    rounds = sum(r["seconds"] for r in records)
+    return {
+        "outside the rounds": seconds - rounds,
+        "local training": local,
+        "fusion": fusion,
+        "evaluation": evaluation,
+        "rest of the rounds": rounds - local - fusion - evaluation,
+    }
+
+
+class Laps:
+    """The plain loop's :data:`PHASES`: each :meth:`lap` adds the time since the last one to a phase."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.last
+        self.last = now
+
+
+def time_fedaval(args, out: Path, phases: dict[str, float] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    """fedaval's seconds and final global model; ``phases``, when given, gets
+    :func:`fedaval_phases` added to it."""
     from fedaval import hookimpl
     from fedaval.api import run_training
 
@@ -132,6 +179,9 @@ def time_fedaval(args, out: Path) -> tuple[float, dict[str, torch.Tensor]]:
     start = time.perf_counter()
     run_training(run_config(args, out), extra_plugins=[keep])
     seconds = time.perf_counter() - start
+    if phases is not None:
+        for phase, part in fedaval_phases(out, seconds).items():
+            phases[phase] = phases.get(phase, 0.0) + part
     return seconds, {k: v.detach().cpu().clone() for k, v in keep.run.server.model.state_dict().items()}
 
 
@@ -163,13 +213,16 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, data, batch: in
     return correct / max(len(y), 1)
 
 
-def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
+def time_plain(args, phases: dict[str, float] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    """The plain loop's seconds and final global model; ``phases``, when
+    given, gets its :data:`PHASES` added to it."""
     from fedaval.build import make_schedule
     from fedaval.datasets import load_dataset
     from fedaval.models import build_model
     from fedaval.scenarios.partition import fcil_sync
 
     start = time.perf_counter()
+    laps = Laps()
     device = torch.device(
         "cpu"
         if args.device == "auto" and not torch.cuda.is_available()
@@ -204,6 +257,7 @@ def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
         )
     loss_fn = nn.CrossEntropyLoss()
     seen_global: list[int] = []
+    laps.lap("outside the rounds")
     for task in range(partition.num_tasks):
         seen_global += [
             c for c in sorted({c for cl in partition.clients for c in cl.classes[task]}) if c not in seen_global
@@ -230,6 +284,7 @@ def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
                 client["trained"] = True
                 uploads.append({key: v.detach().clone() for key, v in model.state_dict().items() if key in shared})
                 weights.append(len(index))
+            laps.lap("local training")
             fused = {}
             for key in shared:  # sample-weighted average, accumulated in float64
                 acc = torch.zeros_like(uploads[0][key], dtype=torch.float64)
@@ -237,6 +292,7 @@ def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
                     acc += upload[key].to(torch.float64) * (w / sum(weights))
                 fused[key] = acc.to(uploads[0][key].dtype)
             server.load_state_dict(fused, strict=False)
+            laps.lap("fusion")
             # evaluation: the global model on every class seen, each freshly trained client on its own
             mask = torch.isin(test_y, torch.tensor(seen_global, device=device))
             accuracy(server, test_x[mask], test_y[mask], data)
@@ -248,8 +304,14 @@ def time_plain(args) -> tuple[float, dict[str, torch.Tensor]]:
                     mask = torch.isin(test_y, torch.tensor(classes, device=device))
                     accuracy(client["model"], test_x[mask], test_y[mask], data)
                     client["trained"] = False
+            laps.lap("evaluation")
     seconds = time.perf_counter() - start
-    return seconds, {k: v.detach().cpu().clone() for k, v in server.state_dict().items()}
+    laps.lap("outside the rounds")
+    state = {k: v.detach().cpu().clone() for k, v in server.state_dict().items()}
+    if phases is not None:
+        for phase, part in laps.seconds.items():
+            phases[phase] = phases.get(phase, 0.0) + part
+    return seconds, state
 
 
 def add_work_arguments(parser: argparse.ArgumentParser) -> None:
@@ -298,16 +360,19 @@ def main(argv=None) -> int:
     resolve_data_root(args)
 
     times = {"fedaval": [], "plain": []}
+    phases: dict[str, list[dict[str, float]]] = {"fedaval": [], "plain": []}  # one dict per run
     difference = 0.0
     with tempfile.TemporaryDirectory(prefix="fedaval-overhead-") as tmp:
         time_plain(args)  # warm-up: decoded-image cache, allocator, lazy imports
         for repeat in range(args.repeats):
             for side in ("fedaval", "plain") if repeat % 2 == 0 else ("plain", "fedaval"):
                 if side == "fedaval":
-                    seconds, state = time_fedaval(args, Path(tmp) / f"run{repeat}")
+                    phases["fedaval"].append({})
+                    seconds, state = time_fedaval(args, Path(tmp) / f"run{repeat}", phases["fedaval"][-1])
                     fedaval_state = state
                 else:
-                    seconds, plain_state = time_plain(args)
+                    phases["plain"].append({})
+                    seconds, plain_state = time_plain(args, phases["plain"][-1])
                 times[side].append(seconds)
             difference = max(difference, max_difference(fedaval_state, plain_state))
         if args.profile:  # where fedaval's side spends what the plain loop does not
@@ -336,6 +401,13 @@ def main(argv=None) -> int:
     )
     print("\n".join(rows))
     print(summary)
+    rounds = args.tasks * args.rounds_per_task
+    print(f"\nwhere the seconds go (median of {args.repeats} runs each; PHASES in benchmarks/overhead.py):")
+    print("| phase | fedaval s | plain s | fedaval - plain, ms a round |")
+    print("|---|---|---|---|")
+    for phase in PHASES:
+        fed_part, plain_part = (statistics.median(run[phase] for run in phases[side]) for side in ("fedaval", "plain"))
+        print(f"| {phase} | {fed_part:.3f} | {plain_part:.3f} | {(fed_part - plain_part) * 1000 / rounds:.1f} |")
     if args.write:
         setting = (
             f"{args.dataset} ({'shared CIFAR-10, first ' + str(args.train_per_class) + ' train / ' + str(args.test_per_class) + ' test images per class' if args.dataset == 'imagefolder' else 'built in'}), "

@@ -23,6 +23,21 @@ def test_overhead_benchmark_runs_and_does_the_same_work():
     out = run("overhead.py", "--dataset", "digits", "--tasks", "2", "--rounds-per-task", "1", "--repeats", "1")
     assert "ratio fedaval / plain:" in out
     assert "max |global weight difference|: 0.00e+00" in out  # identical data order, steps and fusion
+    # where the seconds go: each side's phases add up to its time, and each side trained and evaluated
+    totals = {
+        line.split("|")[1].strip(): float(line.split("|")[2])
+        for line in out.splitlines()
+        if "| fedaval train |" in line or "| plain PyTorch loop |" in line
+    }
+    phases = {
+        line.split("|")[1].strip(): (float(line.split("|")[2]), float(line.split("|")[3]))
+        for line in out.splitlines()
+        if line.startswith("| ") and line.count("|") == 5 and "phase" not in line
+    }
+    assert set(phases) == {"outside the rounds", "local training", "fusion", "evaluation", "rest of the rounds"}
+    assert sum(fed for fed, _ in phases.values()) == pytest.approx(totals["fedaval train"], abs=0.006)
+    assert sum(plain for _, plain in phases.values()) == pytest.approx(totals["plain PyTorch loop"], abs=0.006)
+    assert min(phases["local training"] + phases["evaluation"]) > 0
 
 
 def test_client_memory_benchmark_runs():
