@@ -165,6 +165,8 @@ def fedaval_rates(args, root: str, out: Path, cuda_graphs: bool = False) -> tupl
 
         print("cProfile of all rounds, by own time:")
         pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+        print("the same, by cumulative time (what each function's calls hold, its callees included):")
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
     samples = sum(sum(c) for c in timed.results["scenario"]["client_task_samples"])  # one task, everyone trains
     # rounds 2 .. last-1: the first pays for warm-up, the last evaluates
     middle = list(zip(timed.walls, timed.records))[1:-1]
