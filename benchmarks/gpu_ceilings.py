@@ -22,6 +22,15 @@ steps (cuDNN autotuning, the allocator), each against the batch-320 loop:
 * ``batch 32, model graphed, a wait every 16 steps``: the same, the host
   waiting for the GPU after every ``--wait-every`` steps, as a framework that
   reads each client's loss after its round does (the GPU only);
+* ``batch 32 x N models, one vmapped step``: N models of the same
+  architecture trained as one computation (``--stacked``): their parameters
+  and buffers stacked (``torch.func.stack_module_state``), each step one
+  ``torch.func.vmap`` over ``functional_call``, each model on a minibatch of
+  its own, SGD with momentum on the stacked tensors (elementwise, so each
+  model's own SGD); eagerly and, on the GPU, the whole step as one CUDA
+  graph. What batching identical clients into one computation (the issue's
+  third way) could give; the first step is checked against each model
+  stepped alone (largest parameter difference printed);
 * ``batch 32 x K processes``: K processes training their own model at once
   on the one device (``--processes``), total samples over the wall time from
   a common start to the last one's end; and with each process's model
@@ -34,6 +43,7 @@ Not a test: nothing is asserted. Each line prints as it is measured.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -151,6 +161,95 @@ class Loop:
         return self.timed(batch, steps, warmup, step)
 
 
+class Stacked:
+    """``clients`` models of one architecture (each :class:`Loop`'s, seeds 0
+    to clients - 1) trained as one computation: stacked parameters and
+    buffers, one ``torch.func.vmap`` of ``functional_call`` a step, each model
+    on its own minibatch. The loss is the sum over the models of each one's
+    mean cross-entropy, so each model's gradient is the one its own loop
+    would compute; BatchNorm's running statistics are stacked buffers,
+    updated per model as in its own loop."""
+
+    def __init__(self, data, model_name: str, device: torch.device, clients: int, batch: int):
+        from torch.func import functional_call, stack_module_state, vmap
+
+        self.loops = [Loop(data, model_name, device, seed=k) for k in range(clients)]
+        self.device, self.clients, self.batch = device, clients, batch
+        self.params, self.buffers = stack_module_state([loop.model for loop in self.loops])
+        base = copy.deepcopy(self.loops[0].model).to("meta")
+
+        def one(params, buffers, x):
+            return functional_call(base, (params, buffers), (x,))
+
+        self.forward = vmap(one)
+        self.optimizer = torch.optim.SGD(self.params.values(), lr=0.01, momentum=0.9)
+        self.loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+        self.images, self.labels = self.loops[0].images, self.loops[0].labels
+        self.generator = torch.Generator(device=device).manual_seed(0)
+
+    def draw(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A minibatch of ``batch`` images for each model: ``[clients, batch, ...]``."""
+        index = torch.randint(
+            len(self.labels), (self.clients, self.batch), device=self.device, generator=self.generator
+        )
+        return self.images[index], self.labels[index]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.forward(self.params, self.buffers, x)
+        (self.loss_fn(out.flatten(0, 1), y.flatten()) / self.batch).backward()
+        self.optimizer.step()
+
+    def check(self) -> float:
+        """One stacked step against each model's own step on the same
+        minibatch: the largest difference of any parameter afterwards."""
+        x, y = self.draw()
+        before = {k: v.detach().clone() for k, v in self.params.items()}
+        self.step(x, y)
+        worst = 0.0
+        for k, loop in enumerate(self.loops):
+            loop.step(x[k], y[k])
+            for name, value in loop.model.named_parameters():
+                worst = max(worst, float((value.detach() - self.params[name][k].detach()).abs().max()))
+        with torch.no_grad():  # back to where the timing starts: the models' own state no longer matters
+            for name, value in self.params.items():
+                value.copy_(before[name])
+        return worst
+
+    def rate(self, steps: int, warmup: int, graph: bool = False) -> float:
+        """Samples per second over ``steps`` stacked steps after ``warmup``;
+        ``graph``: the whole step captured once and replayed (the GPU only)."""
+        step = self.step
+        if graph:
+            static_x, static_y = (t.clone() for t in self.draw())
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(max(warmup, 3)):
+                    self.step(static_x, static_y)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            captured = torch.cuda.CUDAGraph()
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.cuda.graph(captured):
+                out = self.forward(self.params, self.buffers, static_x)
+                (self.loss_fn(out.flatten(0, 1), static_y.flatten()) / self.batch).backward()
+                self.optimizer.step()
+
+            def step(x: torch.Tensor, y: torch.Tensor) -> None:
+                static_x.copy_(x)
+                static_y.copy_(y)
+                captured.replay()
+
+        for _ in range(warmup):
+            step(*self.draw())
+        sync(self.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(*self.draw())
+        sync(self.device)
+        return self.clients * self.batch * steps / (time.perf_counter() - start)
+
+
 def one_process(rank: int, args, barrier, results, graphed: bool = False) -> None:
     """A child of the K-process measurement: its own model, trained at
     ``--batch`` from a common start (the barrier); with ``graphed``, its
@@ -210,6 +309,12 @@ def main(argv=None) -> int:
         default=16,
         help="the model-graphed loop once more, the host waiting for the GPU every that many steps "
         "(16: one client's round of 500 images at batch 32; 0: no such line)",
+    )
+    parser.add_argument(
+        "--stacked",
+        type=int,
+        default=10,
+        help="N of the line of N models trained as one vmapped step (10: item 3's clients a round; 0: no such line)",
     )
     parser.add_argument("--train-per-class", type=int, default=500)
     parser.add_argument("--data-root", default=None, help="an image folder (default: the shared CIFAR-10 subset)")
@@ -282,6 +387,18 @@ def main(argv=None) -> int:
                     args.batch, args.steps, args.warmup, wait_every=args.wait_every
                 ),
             )
+    if args.stacked:
+        label = f"batch {args.batch} x {args.stacked} models, one vmapped step"
+        try:
+            stacked = Stacked(data, args.model, device, args.stacked, args.batch)
+            print(f"{label}: first step against each model's own, largest difference {stacked.check():.2e}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a measurement that fails is a line, not the end
+            print(f"{label}: failed: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
+        else:
+            attempt(label, lambda: stacked.rate(args.steps, args.warmup))
+            if device.type == "cuda":
+                attempt(f"{label}, CUDA graph", lambda: stacked.rate(args.steps, args.warmup, graph=True))
+            del stacked
     del loop
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -100,7 +100,11 @@ step() {  # step SECONDS FILE COMMAND...: run with a time limit, output to $WORK
 
 # items 2 and 3's measurements, run by both modes: each takes its time limit, then any extra arguments
 throughput() { step "$1" throughput.txt python3 benchmarks/round_throughput.py --device cuda --cuda-graphs both; }
-ceilings() { step "$1" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes ""; }
+ceilings() {
+    local limit=$1
+    shift
+    step "$limit" ceilings.txt python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes "" "$@"
+}
 overhead() { step "$1" overhead-cnn.txt python3 benchmarks/overhead.py --device cuda --repeats 3 --profile; }
 step_host() {
     local limit=$1
@@ -143,8 +147,10 @@ if [ "${1:-}" = "--full-scale" ]; then
         GRAPHS=--cuda-graphs
         # benchmarks/cifar_data.py makes its subset from $DATA_ROOT when it is /tmp/cifar10-full
         [ "${THROUGHPUT_S:-60}" = 0 ] || throughput "${THROUGHPUT_S:-60}"
-        # what a wait per client costs a graphed loop, and graphed loops in 2 and 4 processes (CEILINGS_S, off by default)
-        [ "${CEILINGS_S:-0}" = 0 ] || ceilings "$CEILINGS_S"
+        # what each technique could reach at best: graphs, a wait per client, graphed loops in 2 and 4 processes,
+        # 10 models as one vmapped step (CEILINGS_S, off by default; CEILINGS_ARGS, gpu_ceilings.py's options)
+        # shellcheck disable=SC2086  # CEILINGS_ARGS: gpu_ceilings.py's options, split as a shell would
+        [ "${CEILINGS_S:-0}" = 0 ] || ceilings "$CEILINGS_S" ${CEILINGS_ARGS:-}
         # item 2: the CNN's overhead against the plain loop, with a profile (OVERHEAD_S, off by default)
         [ "${OVERHEAD_S:-0}" = 0 ] || overhead "$OVERHEAD_S"
         # the host's time per graphed step and per client round, fedaval against a plain loop (STEP_HOST_S, off by default)

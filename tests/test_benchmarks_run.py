@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -172,12 +173,20 @@ def test_gpu_ceilings_runs_on_the_cpu(cifar10_root):
         "2",
         "--limit-batch",
         "64",
+        "--stacked",
+        "3",
         "--data-root",
         str(cifar10_root),
     )
     for line in ("batch 64 (the limit)", "batch 32, bf16", "batch 32, channels-last", "batch 32 x 2 processes"):
         assert line in out
     assert "CUDA graph" not in out and "model graphed" not in out  # the GPU only
+    # three models as one vmapped step: each model's step as its own loop's, and timed
+    check = re.search(
+        r"batch 32 x 3 models, one vmapped step: first step against each model's own, largest difference (\S+)", out
+    )
+    assert check is not None and float(check.group(1)) < 1e-5
+    assert re.search(r"batch 32 x 3 models, one vmapped step +[0-9,]+ samples/s", out)
 
 
 def test_round_cost_benchmark_splits_out_the_evaluation_forward_passes():
