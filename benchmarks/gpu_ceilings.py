@@ -58,6 +58,29 @@ sys.path.insert(0, str(HERE))
 from round_throughput import sync  # noqa: E402 - this folder
 
 
+def whole_step_graph(device: torch.device, step, static_x: torch.Tensor, static_y: torch.Tensor, warmup: int):
+    """``step(x, y)`` (the gradients set to None, then forward, backward and
+    the SGD step) captured whole as one CUDA graph, the pattern of PyTorch's
+    CUDA semantics notes: warm-up steps on a side stream, then the capture.
+    Returns a step that copies its batch into the static inputs and replays."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 3)):
+            step(static_x, static_y)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(static_x, static_y)
+
+    def replay(x: torch.Tensor, y: torch.Tensor) -> None:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+
+    return replay
+
+
 class Loop:
     """One model, its SGD and ``data``'s training images on ``device``."""
 
@@ -112,30 +135,10 @@ class Loop:
         return self.timed(batch, steps, warmup, lambda x, y: self.step(x, y, bf16))
 
     def graph_rate(self, batch: int, steps: int, warmup: int) -> float:
-        """Samples per second of a captured whole step, replayed (the pattern of
-        PyTorch's CUDA semantics notes: warm-up on a side stream, then capture
-        with the gradients set to None, then copy each batch into the static
-        inputs and replay)."""
-        static_x = self.images[:batch].clone()
-        static_y = self.labels[:batch].clone()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(max(warmup, 3)):
-                self.step(static_x, static_y)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
-            loss = self.loss_fn(self.model(static_x), static_y)
-            loss.backward()
-            self.optimizer.step()
-
-        def replay(x: torch.Tensor, y: torch.Tensor) -> None:
-            static_x.copy_(x)
-            static_y.copy_(y)
-            graph.replay()
-
+        """Samples per second of a captured whole step, replayed (:func:`whole_step_graph`)."""
+        replay = whole_step_graph(
+            self.device, self.step, self.images[:batch].clone(), self.labels[:batch].clone(), warmup
+        )
         return self.timed(batch, steps, warmup, replay)
 
     def graphed_model_rate(self, batch: int, steps: int, warmup: int, wait_every: int = 0) -> float:
@@ -221,25 +224,7 @@ class Stacked:
         ``graph``: the whole step captured once and replayed (the GPU only)."""
         step = self.step
         if graph:
-            static_x, static_y = (t.clone() for t in self.draw())
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(max(warmup, 3)):
-                    self.step(static_x, static_y)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            captured = torch.cuda.CUDAGraph()
-            self.optimizer.zero_grad(set_to_none=True)
-            with torch.cuda.graph(captured):
-                out = self.forward(self.params, self.buffers, static_x)
-                (self.loss_fn(out.flatten(0, 1), static_y.flatten()) / self.batch).backward()
-                self.optimizer.step()
-
-            def step(x: torch.Tensor, y: torch.Tensor) -> None:
-                static_x.copy_(x)
-                static_y.copy_(y)
-                captured.replay()
-
+            step = whole_step_graph(self.device, self.step, *(t.clone() for t in self.draw()), warmup)
         for _ in range(warmup):
             step(*self.draw())
         sync(self.device)
