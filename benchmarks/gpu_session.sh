@@ -118,7 +118,8 @@ if [ "${1:-}" = "--full-scale" ]; then
     # papers' scale: ResNet-18 on all of CIFAR-10 (docs/reproduction.md, "At the papers' scale"). First, alone on the GPU,
     # item 3's throughput (THROUGHPUT_S=0 skips it), its ceilings and the host's time per graphed step
     # when CEILINGS_S and STEP_HOST_S are given, item 2's overhead when OVERHEAD_S is given, FedEWC's penalty
-    # when EWC_S is given, a cProfile of graphed rounds when PROFILE_S is given, and FedProK's
+    # when EWC_S is given, a cProfile of graphed rounds when PROFILE_S is given, item 3's setting in 2 and 5
+    # processes when PROCESSES_S is given, and FedProK's
     # classifier fit on the CPU and the GPU (FIT_S=0 skips it); the sync-count test beside the runs
     # (SYNCS_S=0 skips it); then the rows in JOBS
     # ("row:seed", a row being a key of a config's [paper.runs] in lower case, spaces as '-', with
@@ -157,6 +158,10 @@ if [ "${1:-}" = "--full-scale" ]; then
         [ "${STEP_HOST_S:-0}" = 0 ] || step_host "$STEP_HOST_S" --repeats 3
         # FedEWC's penalty, Avalanche's against fedaval's fused one, on the GPU (EWC_S, off by default)
         [ "${EWC_S:-0}" = 0 ] || step "$EWC_S" ewc-penalty.txt python3 benchmarks/ewc_penalty.py --device cuda
+        # item 3's setting as 2 and as 5 fedaval runs at once, in processes sharing the GPU (graphed): what a
+        # backend of worker processes could reach (PROCESSES_S, off by default)
+        [ "${PROCESSES_S:-0}" = 0 ] || step "$PROCESSES_S" processes.txt sh -c 'for k in 2 5; do
+            python3 benchmarks/round_throughput.py --device cuda --cuda-graphs on --processes $k || exit; done'
         # cProfile of graphed rounds in item 3's setting (10 clients): the host's work per function, which
         # bounds a graphed round (PROFILE_S, off by default)
         [ "${PROFILE_S:-0}" = 0 ] || step "$PROFILE_S" cprofile.txt python3 benchmarks/round_throughput.py --device cuda \

@@ -27,6 +27,16 @@ in one invocation on the same device, one torch thread on the CPU:
   it is kept busy, not work identical to fedaval's (a batch of 320 is one step
   where fedaval's clients take ten).
 
+With ``--processes K`` fedaval's side is K fedaval runs at once, each in a
+process of its own on the same device, each with ``--clients`` / K clients
+and ``--train-per-class`` / K images per class (so every client still
+trains the same 500 images a round): what a backend running a round's
+clients in K worker processes on one GPU could reach at best (no transfer
+of the clients' state, no scheduling). The rate is every process's samples
+of its timed rounds over the span from the first one's start to the last
+one's end (the processes wait for each other before their first round).
+Each run fuses only its own clients: a measure of speed, not a federation.
+
 With ``--cuda-graphs on`` (or ``both``: without, then with, in this one
 invocation) fedaval's rounds run with ``--cuda-graphs``
 (:mod:`fedaval.cuda_graphs`); the first round also pays for each client's
@@ -119,19 +129,16 @@ class TorchProfile:
         print(flush=True)
 
 
-def fedaval_rates(args, root: str, out: Path, cuda_graphs: bool = False) -> tuple[float, float, int]:
-    """Median samples per second of the timed rounds: over local training, over
-    the round's wall time; and the samples trained per round."""
-    from timed_rounds import timed_rounds
-
+def fedaval_config(args, root: str, out: Path, cuda_graphs: bool, clients: int):
+    """The FedAvg run of the benchmark's fedaval side, ``clients`` clients on the images in ``root``."""
     from fedaval.api import check_settings
     from fedaval.config import RunConfig
 
-    config = check_settings(
+    return check_settings(
         RunConfig(
             plugins=["fedavg"],
             scenario="fcil-sync",
-            scenario_options={"clients": args.clients, "tasks": 1, "alpha": 1e6},
+            scenario_options={"clients": clients, "tasks": 1, "alpha": 1e6},
             dataset="imagefolder",
             data_root=root,
             model=args.model,
@@ -149,6 +156,14 @@ def fedaval_rates(args, root: str, out: Path, cuda_graphs: bool = False) -> tupl
             out=str(out),
         )
     )
+
+
+def fedaval_rates(args, root: str, out: Path, cuda_graphs: bool = False) -> tuple[float, float, int]:
+    """Median samples per second of the timed rounds: over local training, over
+    the round's wall time; and the samples trained per round."""
+    from timed_rounds import timed_rounds
+
+    config = fedaval_config(args, root, out, cuda_graphs, args.clients)
     if args.profile == "torch":
         profile = TorchProfile(torch.device(args.device))
     elif args.profile == "python":
@@ -177,6 +192,46 @@ def fedaval_rates(args, root: str, out: Path, cuda_graphs: bool = False) -> tupl
     return local, wall, samples
 
 
+def one_process(rank: int, args, cuda_graphs: bool, barrier, results) -> None:
+    """A child of ``--processes``: its own fedaval run (``--clients`` / K
+    clients on ``--train-per-class`` / K images per class), its timed rounds'
+    span and samples put on ``results``."""
+    from cifar_data import cifar_subset
+    from timed_rounds import timed_rounds
+
+    torch.set_num_threads(args.threads)
+    k = args.processes
+    root = str(cifar_subset(args.train_per_class // k, 10))
+    with tempfile.TemporaryDirectory(prefix=f"fedaval-throughput-{rank}-") as tmp:
+        config = fedaval_config(args, root, Path(tmp) / "run", cuda_graphs, args.clients // k)
+        timed = timed_rounds(config, before_training=barrier.wait)
+    samples = sum(sum(c) for c in timed.results["scenario"]["client_task_samples"])
+    ends = [timed.started + sum(timed.walls[: i + 1]) for i in range(len(timed.walls))]
+    # rounds 2 .. last-1, as in one process: from the end of round 1 to the end of the last but one
+    results.put((rank, ends[0], ends[-2], samples * (len(ends) - 2)))
+
+
+def processes_rate(args, cuda_graphs: bool) -> tuple[float, int]:
+    """``--processes``: samples per second of K fedaval runs at once (their
+    timed rounds over the span from the first one's start to the last one's
+    end), and the samples each round trains in all."""
+    context = torch.multiprocessing.get_context("spawn")
+    k = args.processes
+    barrier, results = context.Barrier(k), context.Queue()
+    children = [
+        context.Process(target=one_process, args=(rank, args, cuda_graphs, barrier, results)) for rank in range(k)
+    ]
+    for child in children:
+        child.start()
+    spans = [results.get(timeout=1800) for _ in children]
+    for child in children:
+        child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"a fedaval process exited with {child.exitcode}")
+    start, end = min(s for _, s, _, _ in spans), max(e for _, _, e, _ in spans)
+    return sum(n for *_, n in spans) / (end - start), sum(n for *_, n in spans) // (args.rounds - 2)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:i")
@@ -197,6 +252,13 @@ def main(argv=None) -> int:
         help="fedaval's rounds without --cuda-graphs, with it, or both in this invocation (CUDA only)",
     )
     parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="fedaval's side as K runs at once in K processes, --clients / K clients each (a divisor of --clients "
+        "and of --train-per-class)",
+    )
+    parser.add_argument(
         "--profile",
         choices=["torch", "python"],
         default=None,
@@ -211,6 +273,10 @@ def main(argv=None) -> int:
 
     device = resolve_device(args.device)
     args.device = str(device)
+    if args.processes < 1 or args.clients % args.processes or args.train_per_class % args.processes:
+        parser.error(f"--processes {args.processes} must divide --clients {args.clients} and --train-per-class")
+    if args.processes > 1 and (args.profile or args.data_root is not None):
+        parser.error("--processes takes neither --profile nor --data-root (each process makes its own subset)")
     if args.cuda_graphs != "off" and device.type != "cuda":
         parser.error(f"--cuda-graphs {args.cuda_graphs} needs a CUDA device; --device is {device}")
     if args.data_root is None:
@@ -225,12 +291,23 @@ def main(argv=None) -> int:
     print(
         f"setting: {args.model}, {len(data.train_y)} CIFAR-10 training images, {args.clients} clients x batch "
         f"{args.batch_size}, all sampled, {args.rounds} rounds (rounds 2 to {args.rounds - 1} timed); "
-        f"limit: one loop at batch {args.limit_batch}",
+        f"limit: one loop at batch {args.limit_batch}"
+        + (
+            f"; fedaval as {args.processes} runs at once, {args.clients // args.processes} clients each"
+            if args.processes > 1
+            else ""
+        ),
         flush=True,
     )
     rates = {}
     for graphs in {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]:
         label = "fedaval --cuda-graphs" if graphs else "fedaval"
+        if args.processes > 1:
+            label += f" in {args.processes} processes"
+            rate, samples = processes_rate(args, graphs)
+            rates[label] = (rate, rate, samples)
+            print(f"{label}: {samples} samples a round in all; {rate:,.0f} samples/s over the timed rounds' span")
+            continue
         with tempfile.TemporaryDirectory(prefix="fedaval-throughput-") as tmp:
             local, wall, samples = rates[label] = fedaval_rates(args, root, Path(tmp) / "run", graphs)
         print(f"{label}: {samples} samples a round; {local:,.0f} samples/s in local training, {wall:,.0f} per round")
@@ -239,6 +316,9 @@ def main(argv=None) -> int:
     limit = limit_rate(data, args.model, args.limit_batch, args.limit_epochs, args.lr, device)
     print(f"limit (batch {args.limit_batch}): {limit:,.0f} samples/s")
     for label, (local, wall, _) in rates.items():
+        if args.processes > 1:  # one rate: the processes' rounds, fusion and writes included
+            print(f"ratio {label} / limit: {local / limit:.3f} (whole rounds)")
+            continue
         print(f"ratio {label} / limit: {local / limit:.3f} (local training), {wall / limit:.3f} (whole round)")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0

@@ -158,6 +158,34 @@ def test_cuda_identity_checks_pass_on_the_cpu(cifar10_root):
     assert "gldp-sthfl: resumed from round 3: same" in out and "all required checks passed" in out
 
 
+def test_round_throughput_in_processes_runs_and_checks_its_split(cifar10_root):
+    """``--processes 2``: two fedaval runs at once, 5 of the 10 clients each, their rate over their common span."""
+    out = run(
+        "round_throughput.py",
+        "--model",
+        "cnn",
+        "--device",
+        "cpu",
+        "--rounds",
+        "3",
+        "--processes",
+        "2",
+        "--train-per-class",
+        "20",
+        "--limit-epochs",
+        "1",
+    )
+    assert "fedaval as 2 runs at once, 5 clients each" in out
+    assert re.search(r"fedaval in 2 processes: 200 samples a round in all; [0-9,]+ samples/s", out)
+    assert re.search(r"ratio fedaval in 2 processes / limit: [0-9.]+ \(whole rounds\)", out)
+    bad = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "round_throughput.py"), "--device", "cpu", "--processes", "3"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "--processes 3 must divide --clients 10" in bad.stderr
+
+
 def test_gpu_ceilings_runs_on_the_cpu(cifar10_root):
     out = run(
         "gpu_ceilings.py",
