@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from round_throughput import sync  # noqa: E402 - this folder
+from round_throughput import spawned, sync  # noqa: E402 - this folder
 
 
 def whole_step_graph(device: torch.device, step, static_x: torch.Tensor, static_y: torch.Tensor, warmup: int):
@@ -235,7 +235,7 @@ class Stacked:
         return self.clients * self.batch * steps / (time.perf_counter() - start)
 
 
-def one_process(rank: int, args, barrier, results, graphed: bool = False) -> None:
+def one_process(rank: int, args, graphed: bool, barrier, results) -> None:
     """A child of the K-process measurement: its own model, trained at
     ``--batch`` from a common start (the barrier); with ``graphed``, its
     model's forward and backward through a CUDA graph."""
@@ -258,17 +258,7 @@ def one_process(rank: int, args, barrier, results, graphed: bool = False) -> Non
 
 def processes_rate(args, k: int, graphed: bool = False) -> float:
     """Samples per second of ``k`` processes training at once."""
-    context = torch.multiprocessing.get_context("spawn")
-    barrier = context.Barrier(k)
-    results = context.Queue()
-    children = [context.Process(target=one_process, args=(rank, args, barrier, results, graphed)) for rank in range(k)]
-    for child in children:
-        child.start()
-    spans = [results.get(timeout=600) for _ in children]
-    for child in children:
-        child.join()
-        if child.exitcode != 0:
-            raise RuntimeError(f"a measuring process exited with {child.exitcode}")
+    spans = spawned(one_process, k, args, graphed)
     start = min(s for _, s, _ in spans)
     end = max(e for _, _, e in spans)
     return k * args.batch * args.steps / (end - start)

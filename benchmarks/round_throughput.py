@@ -211,23 +211,40 @@ def one_process(rank: int, args, cuda_graphs: bool, barrier, results) -> None:
     results.put((rank, ends[0], ends[-2], samples * (len(ends) - 2)))
 
 
+def spawned(target, k: int, *args) -> list:
+    """Run ``target(rank, *args, barrier, results)`` in ``k`` spawned
+    processes, which wait for each other at ``barrier`` before their timed
+    work and each put one item on ``results``; those items, in arrival order.
+    A process that exits with an error stops the others and raises."""
+    import queue
+
+    context = torch.multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(k), context.Queue()
+    children = [context.Process(target=target, args=(rank, *args, barrier, results)) for rank in range(k)]
+    for child in children:
+        child.start()
+    items: list = []
+    while len(items) < k:
+        try:
+            items.append(results.get(timeout=5))
+        except queue.Empty:
+            failed = [child.exitcode for child in children if child.exitcode not in (None, 0)]
+            if failed:  # the others would wait at the barrier for ever
+                for child in children:
+                    child.kill()
+                raise RuntimeError(f"a measuring process exited with {failed[0]}") from None
+    for child in children:
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"a measuring process exited with {child.exitcode}")
+    return items
+
+
 def processes_rate(args, cuda_graphs: bool) -> tuple[float, int]:
     """``--processes``: samples per second of K fedaval runs at once (their
     timed rounds over the span from the first one's start to the last one's
     end), and the samples each round trains in all."""
-    context = torch.multiprocessing.get_context("spawn")
-    k = args.processes
-    barrier, results = context.Barrier(k), context.Queue()
-    children = [
-        context.Process(target=one_process, args=(rank, args, cuda_graphs, barrier, results)) for rank in range(k)
-    ]
-    for child in children:
-        child.start()
-    spans = [results.get(timeout=1800) for _ in children]
-    for child in children:
-        child.join()
-        if child.exitcode != 0:
-            raise SystemExit(f"a fedaval process exited with {child.exitcode}")
+    spans = spawned(one_process, args.processes, args, cuda_graphs)
     start, end = min(s for _, s, _, _ in spans), max(e for _, _, e, _ in spans)
     return sum(n for *_, n in spans) / (end - start), sum(n for *_, n in spans) // (args.rounds - 2)
 

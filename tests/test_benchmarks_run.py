@@ -186,6 +186,20 @@ def test_round_throughput_in_processes_runs_and_checks_its_split(cifar10_root):
     assert bad.returncode == 2 and "--processes 3 must divide --clients 10" in bad.stderr
 
 
+def test_spawned_processes_that_fail_stop_the_measurement(monkeypatch):
+    """A measuring process that dies raises at once, not after the queue's time-out (the others, waiting
+    at the barrier, are stopped)."""
+    import time
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from round_throughput import spawned
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="a measuring process exited with 1"):
+        spawned(sys.exit, 2)  # sys.exit(rank, barrier, results): a TypeError in each child, exit status 1
+    assert time.monotonic() - start < 60
+
+
 def test_gpu_ceilings_runs_on_the_cpu(cifar10_root):
     out = run(
         "gpu_ceilings.py",
