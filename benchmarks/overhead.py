@@ -163,8 +163,8 @@ class Laps:
 
 
 def time_fedaval(args, out: Path, phases: dict[str, float] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
-    """fedaval's seconds and final global model; ``phases``, when given, gets
-    :func:`fedaval_phases` added to it."""
+    """fedaval's seconds and final global model; ``phases``, when given, is
+    filled with :func:`fedaval_phases`."""
     from fedaval import hookimpl
     from fedaval.api import run_training
 
@@ -180,8 +180,7 @@ def time_fedaval(args, out: Path, phases: dict[str, float] | None = None) -> tup
     run_training(run_config(args, out), extra_plugins=[keep])
     seconds = time.perf_counter() - start
     if phases is not None:
-        for phase, part in fedaval_phases(out, seconds).items():
-            phases[phase] = phases.get(phase, 0.0) + part
+        phases.update(fedaval_phases(out, seconds))
     return seconds, {k: v.detach().cpu().clone() for k, v in keep.run.server.model.state_dict().items()}
 
 
@@ -215,7 +214,7 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, data, batch: in
 
 def time_plain(args, phases: dict[str, float] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
     """The plain loop's seconds and final global model; ``phases``, when
-    given, gets its :data:`PHASES` added to it."""
+    given, is filled with its :data:`PHASES`."""
     from fedaval.build import make_schedule
     from fedaval.datasets import load_dataset
     from fedaval.models import build_model
@@ -309,8 +308,7 @@ def time_plain(args, phases: dict[str, float] | None = None) -> tuple[float, dic
     laps.lap("outside the rounds")
     state = {k: v.detach().cpu().clone() for k, v in server.state_dict().items()}
     if phases is not None:
-        for phase, part in laps.seconds.items():
-            phases[phase] = phases.get(phase, 0.0) + part
+        phases.update(laps.seconds)
     return seconds, state
 
 

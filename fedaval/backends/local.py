@@ -138,7 +138,7 @@ def settle(results: list[ClientRound]) -> None:
         if result.failure is not None or result.pending is None:
             continue
         losses = {
-            name: read.add(value.detach().reshape(1)) if isinstance(value, torch.Tensor) else value
+            name: read.add(value.detach()) if isinstance(value, torch.Tensor) else value
             for name, value in result.losses.items()
         }
         plan.append((result, losses, [read.add(flags) for flags in result.pending.flags]))
