@@ -12,8 +12,9 @@
 #
 # Everything lands in $OUT/session.tgz (the device tool brings it back):
 # session.log with each step's time and exit status, one file per step.
-#   throughput.txt    benchmarks/round_throughput.py --device cuda --cuda-graphs both (item 3: ratio to
-#                     the batch-320 limit, without and with --cuda-graphs)
+#   graph-tests.txt tests/test_cuda_graphs.py's GPU tests: --cuda-graphs changes no result, for both scopes
+#   throughput.txt    benchmarks/round_throughput.py --device cuda --cuda-graphs all (item 3: ratio to
+#                     the batch-320 limit, without --cuda-graphs, with it, with --cuda-graph-scope step)
 #   phase A, correctness, side by side (no timing in it):
 #     tests-cuda.txt  the suite (all but Ray) with its runs on the GPU (FEDAVAL_TEST_DEVICE=cuda,
 #                     deterministic algorithms), pytest-xdist workers
@@ -99,7 +100,15 @@ step() {  # step SECONDS FILE COMMAND...: run with a time limit, output to $WORK
 }
 
 # items 2 and 3's measurements, run by both modes: each takes its time limit, then any extra arguments
-throughput() { step "$1" throughput.txt python3 benchmarks/round_throughput.py --device cuda --cuda-graphs both; }
+# THROUGHPUT_GRAPHS: round_throughput.py's --cuda-graphs (all: without graphs, with the backbone's, with the step's)
+throughput() {
+    step "$1" throughput.txt python3 benchmarks/round_throughput.py --device cuda --cuda-graphs "${THROUGHPUT_GRAPHS:-all}"
+}
+# the graphs' own tests on CUDA (the same results.json with and without them, --deterministic), before their timing
+graph_tests() {
+    step "$1" graph-tests.txt env FEDAVAL_TEST_DEVICE=cuda OMP_NUM_THREADS=2 python3 -m pytest -q -rfE \
+        -p no:cacheprovider tests/test_cuda_graphs.py -k gpu
+}
 ceilings() {
     local limit=$1
     shift
@@ -146,6 +155,8 @@ if [ "${1:-}" = "--full-scale" ]; then
     export PYTHONWARNINGS=ignore
     if [ "${DEVICE%%:*}" = cuda ]; then
         GRAPHS=--cuda-graphs
+        # the graphs' correctness first (GRAPH_TESTS_S=0 skips it), then their speed
+        [ "${GRAPH_TESTS_S:-90}" = 0 ] || graph_tests "${GRAPH_TESTS_S:-90}"
         # benchmarks/cifar_data.py makes its subset from $DATA_ROOT when it is /tmp/cifar10-full
         [ "${THROUGHPUT_S:-60}" = 0 ] || throughput "${THROUGHPUT_S:-60}"
         # what each technique could reach at best: graphs, a wait per client, graphed loops in 2 and 4 processes,
@@ -155,7 +166,9 @@ if [ "${1:-}" = "--full-scale" ]; then
         # item 2: the CNN's overhead against the plain loop, with a profile (OVERHEAD_S, off by default)
         [ "${OVERHEAD_S:-0}" = 0 ] || overhead "$OVERHEAD_S"
         # the host's time per graphed step and per client round, fedaval against a plain loop (STEP_HOST_S, off by default)
-        [ "${STEP_HOST_S:-0}" = 0 ] || step_host "$STEP_HOST_S" --repeats 3
+        # (STEP_HOST_ARGS: step_host.py's options, --cuda-graph-scope step for the whole step graphed)
+        # shellcheck disable=SC2086
+        [ "${STEP_HOST_S:-0}" = 0 ] || step_host "$STEP_HOST_S" --repeats 3 ${STEP_HOST_ARGS:-}
         # FedEWC's penalty, Avalanche's against fedaval's fused one, on the GPU (EWC_S, off by default)
         [ "${EWC_S:-0}" = 0 ] || step "$EWC_S" ewc-penalty.txt python3 benchmarks/ewc_penalty.py --device cuda
         # item 3's setting as 2 and as 5 fedaval runs at once, in processes sharing the GPU (graphed): what a
@@ -163,9 +176,9 @@ if [ "${1:-}" = "--full-scale" ]; then
         [ "${PROCESSES_S:-0}" = 0 ] || step "$PROCESSES_S" processes.txt sh -c 'for k in 2 5; do
             python3 benchmarks/round_throughput.py --device cuda --cuda-graphs on --processes $k || exit; done'
         # cProfile of graphed rounds in item 3's setting (10 clients): the host's work per function, which
-        # bounds a graphed round (PROFILE_S, off by default)
+        # bounds a graphed round (PROFILE_S, off by default; PROFILE_GRAPHS: round_throughput's --cuda-graphs)
         [ "${PROFILE_S:-0}" = 0 ] || step "$PROFILE_S" cprofile.txt python3 benchmarks/round_throughput.py --device cuda \
-            --rounds 4 --profile python --cuda-graphs on
+            --rounds 4 --profile python --cuda-graphs "${PROFILE_GRAPHS:-step}"
         # FedProK's classifier fit per iteration on this machine's CPU (fedprok.fit_device=cpu, the default)
         # and on its GPU, alone, at full scale's shapes (FIT_S=0 skips it)
         [ "${FIT_S:-45}" = 0 ] ||
@@ -250,9 +263,10 @@ python3 -c 'import torch, avalanche, fedaval; print("torch", torch.__version__, 
     torch.cuda.get_device_name(0))' >>"$WORK/session.log" 2>&1
 export PYTHONWARNINGS=ignore
 
-# first the number this session is for: fedaval's rounds without and with --cuda-graphs, against the
-# batch-320 loop, in one invocation (item 3's before and after)
-throughput "${THROUGHPUT_S:-100}"
+# first the number this session is for: fedaval's rounds without and with --cuda-graphs (both scopes),
+# against the batch-320 loop, in one invocation (item 3's before and after), once the graphs' tests pass
+graph_tests "${GRAPH_TESTS_S:-90}"
+throughput "${THROUGHPUT_S:-130}"
 
 # phase A: correctness, side by side. The suite with its runs on the GPU (its
 # CPU runs are what CI checks); on 16 cores with 15 workers it took 145 s.

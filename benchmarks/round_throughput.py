@@ -39,8 +39,10 @@ Each run fuses only its own clients: a measure of speed, not a federation.
 
 With ``--cuda-graphs on`` (or ``both``: without, then with, in this one
 invocation) fedaval's rounds run with ``--cuda-graphs``
-(:mod:`fedaval.cuda_graphs`); the first round also pays for each client's
-capture, and is not timed.
+(:mod:`fedaval.cuda_graphs`), with ``step`` with ``--cuda-graph-scope step``
+as well (the whole step, SGD update included, one graph), and ``all`` runs
+the three; the first round also pays for each client's captures, and is not
+timed.
 
 Printed: both rates, their ratio (fedaval / limit; the issue's goal on the
 GPU is at least 0.5), the device and the load average before and after.
@@ -58,6 +60,15 @@ import time
 from pathlib import Path
 
 import torch
+
+GRAPHS: dict[str, list[str | None]] = {
+    "off": [None],
+    "on": ["features"],
+    "step": ["step"],
+    "both": [None, "features"],
+    "all": [None, "features", "step"],
+}
+"""``--cuda-graphs``' values: the runs made, each without graphs (None) or with this ``--cuda-graph-scope``."""
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -129,8 +140,10 @@ class TorchProfile:
         print(flush=True)
 
 
-def fedaval_config(args, root: str, out: Path, cuda_graphs: bool, clients: int):
-    """The FedAvg run of the benchmark's fedaval side, ``clients`` clients on the images in ``root``."""
+def fedaval_config(args, root: str, out: Path, graphs: str | None, clients: int):
+    """The FedAvg run of the benchmark's fedaval side, ``clients`` clients on
+    the images in ``root``; ``graphs``: None, or ``--cuda-graphs`` with this
+    ``--cuda-graph-scope``."""
     from fedaval.api import check_settings
     from fedaval.config import RunConfig
 
@@ -151,19 +164,20 @@ def fedaval_config(args, root: str, out: Path, cuda_graphs: bool, clients: int):
             eval_every=args.rounds,
             checkpoint_every=str(args.rounds),
             device=args.device,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=graphs is not None,
+            cuda_graph_scope=graphs or "features",
             seed=0,
             out=str(out),
         )
     )
 
 
-def fedaval_rates(args, root: str, out: Path, cuda_graphs: bool = False) -> tuple[float, float, int]:
+def fedaval_rates(args, root: str, out: Path, graphs: str | None = None) -> tuple[float, float, int]:
     """Median samples per second of the timed rounds: over local training, over
     the round's wall time; and the samples trained per round."""
     from timed_rounds import timed_rounds
 
-    config = fedaval_config(args, root, out, cuda_graphs, args.clients)
+    config = fedaval_config(args, root, out, graphs, args.clients)
     if args.profile == "torch":
         profile = TorchProfile(torch.device(args.device))
     elif args.profile == "python":
@@ -192,7 +206,7 @@ def fedaval_rates(args, root: str, out: Path, cuda_graphs: bool = False) -> tupl
     return local, wall, samples
 
 
-def one_process(rank: int, args, cuda_graphs: bool, barrier, results) -> None:
+def one_process(rank: int, args, graphs: str | None, barrier, results) -> None:
     """A child of ``--processes``: its own fedaval run (``--clients`` / K
     clients on ``--train-per-class`` / K images per class), its timed rounds'
     span and samples put on ``results``."""
@@ -203,7 +217,7 @@ def one_process(rank: int, args, cuda_graphs: bool, barrier, results) -> None:
     k = args.processes
     root = str(cifar_subset(args.train_per_class // k, 10))
     with tempfile.TemporaryDirectory(prefix=f"fedaval-throughput-{rank}-") as tmp:
-        config = fedaval_config(args, root, Path(tmp) / "run", cuda_graphs, args.clients // k)
+        config = fedaval_config(args, root, Path(tmp) / "run", graphs, args.clients // k)
         timed = timed_rounds(config, before_training=barrier.wait)
     samples = sum(sum(c) for c in timed.results["scenario"]["client_task_samples"])
     ends = [timed.started + sum(timed.walls[: i + 1]) for i in range(len(timed.walls))]
@@ -240,11 +254,11 @@ def spawned(target, k: int, *args) -> list:
     return items
 
 
-def processes_rate(args, cuda_graphs: bool) -> tuple[float, int]:
+def processes_rate(args, graphs: str | None) -> tuple[float, int]:
     """``--processes``: samples per second of K fedaval runs at once (their
     timed rounds over the span from the first one's start to the last one's
     end), and the samples each round trains in all."""
-    spans = spawned(one_process, args.processes, args, cuda_graphs)
+    spans = spawned(one_process, args.processes, args, graphs)
     start, end = min(s for _, s, _, _ in spans), max(e for _, _, e, _ in spans)
     return sum(n for *_, n in spans) / (end - start), sum(n for *_, n in spans) // (args.rounds - 2)
 
@@ -264,9 +278,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     parser.add_argument(
         "--cuda-graphs",
-        choices=["off", "on", "both"],
+        choices=list(GRAPHS),
         default="off",
-        help="fedaval's rounds without --cuda-graphs, with it, or both in this invocation (CUDA only)",
+        help="fedaval's rounds without --cuda-graphs, with it (on: the backbone; step: --cuda-graph-scope step), "
+        "or several in this invocation (both: off and on; all: off, on and step); CUDA only",
     )
     parser.add_argument(
         "--processes",
@@ -317,8 +332,11 @@ def main(argv=None) -> int:
         flush=True,
     )
     rates = {}
-    for graphs in {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]:
-        label = "fedaval --cuda-graphs" if graphs else "fedaval"
+    for graphs in GRAPHS[args.cuda_graphs]:
+        label = (
+            "fedaval"
+            + {None: "", "features": " --cuda-graphs", "step": " --cuda-graphs --cuda-graph-scope step"}[graphs]
+        )
         if args.processes > 1:
             label += f" in {args.processes} processes"
             rate, samples = processes_rate(args, graphs)

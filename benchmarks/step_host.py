@@ -30,16 +30,26 @@ item 3): this benchmark measures it apart from the model.
   backward, ``torch.cuda.make_graphed_callables``; the classifier, loss and
   optimizer eager). Until session 29 it stayed eager there, so GPU session
   29's difference (-2,005 us a step) compared a graphed backbone with an
-  eager one.
+  eager one. With ``--cuda-graph-scope step`` both sides capture the whole
+  step, SGD update included (fedaval's ``GraphedStep``, the plain loop
+  through ``gpu_ceilings.whole_step_graph``).
 
 The two alternate ``--repeats`` times in this one process; printed: the
 median microseconds per step of each, their difference (fedaval's own host
-work per step) and the load average. Not a test: nothing is asserted.
+work per step) and the load average. ``--layers 0`` leaves the linear layer
+alone (on the CPU, a stand-in for a backbone replayed from a graph: the
+step's other work is what is left). ``--count-ops`` then counts each side's
+ATen operations per step, untimed (fedaval's in its first client's second
+round, by the file that ran them; on a GPU each is at least one kernel
+launch unless a graph replays it). Not a test: nothing is asserted.
+
+    python benchmarks/step_host.py --layers 0 --repeats 3 --count-ops   # session 30's numbers
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import os
 import statistics
@@ -50,6 +60,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -70,11 +81,11 @@ class ScaleShift(nn.Module):
         return x * self.weight + self.bias
 
 
-def many_small_parameters(input_shape, num_classes: int, width: int = 8):
+def many_small_parameters(input_shape, num_classes: int, width: int = 8, layers: int = LAYERS):
     from fedaval.models import SplitModel
 
     inputs = math.prod(input_shape)
-    backbone = nn.Sequential(nn.Flatten(), nn.Linear(inputs, width), *[ScaleShift(width) for _ in range(LAYERS)])
+    backbone = nn.Sequential(nn.Flatten(), nn.Linear(inputs, width), *[ScaleShift(width) for _ in range(layers)])
     return SplitModel(backbone, nn.Linear(width, num_classes), width)
 
 
@@ -83,9 +94,12 @@ class ModelPlugin:
 
     name = "step-host-model"
 
+    def __init__(self, layers: int = LAYERS):
+        self.layers = layers
+
     @hookimpl
     def fedaval_make_model(self, run, client_id):
-        return many_small_parameters(run.data.input_shape, run.num_classes)
+        return many_small_parameters(run.data.input_shape, run.num_classes, layers=self.layers)
 
 
 class SpanPlugin:
@@ -115,16 +129,12 @@ class SpanPlugin:
         return {}
 
 
-def fedaval_step_seconds(args, out: Path) -> tuple[float, float]:
-    """fedaval's seconds per step, and per client round its host's seconds
-    outside the span of its minibatches (receiving, the strategy's set-up
-    and tear-down, uploading)."""
-    from timed_rounds import timed_rounds
-
+def fedaval_config(args, out: Path):
+    """The fedaval side's run."""
     from fedaval.api import check_settings
     from fedaval.config import RunConfig
 
-    config = check_settings(
+    return check_settings(
         RunConfig(
             plugins=["fedavg"],
             scenario="fcil-sync",
@@ -140,12 +150,21 @@ def fedaval_step_seconds(args, out: Path) -> tuple[float, float]:
             checkpoint_every=0,
             device=args.device,
             cuda_graphs=args.cuda_graphs,
+            cuda_graph_scope=args.cuda_graph_scope,
             seed=0,
             out=str(out),
         )
     )
+
+
+def fedaval_step_seconds(args, out: Path) -> tuple[float, float]:
+    """fedaval's seconds per step, and per client round its host's seconds
+    outside the span of its minibatches (receiving, the strategy's set-up
+    and tear-down, uploading)."""
+    from timed_rounds import timed_rounds
+
     spans = SpanPlugin()
-    timed = timed_rounds(config, extra_plugins=[ModelPlugin(), spans])
+    timed = timed_rounds(fedaval_config(args, out), extra_plugins=[ModelPlugin(args.layers), spans])
     samples = timed.results["scenario"]["client_task_samples"]  # one task, every client every round
     steps = args.local_epochs * sum(math.ceil(client[0] / args.batch_size) for client in samples)
     records = timed.records[1:-1]  # the first round sets up, the last evaluates
@@ -155,27 +174,45 @@ def fedaval_step_seconds(args, out: Path) -> tuple[float, float]:
     return statistics.median(r["seconds_local"] for r in records) / steps, statistics.median(outside)
 
 
-def plain_step_seconds(args, device: torch.device) -> float:
-    from round_throughput import sync
-
+def plain_loop(args, device: torch.device):
+    """The plain side: ``steps(n)`` runs n training steps."""
     from fedaval.datasets import load_dataset
 
     data = load_dataset("digits", None, False)
-    model = many_small_parameters(data.input_shape, data.num_classes).to(device)
+    model = many_small_parameters(data.input_shape, data.num_classes, layers=args.layers).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
     images, labels = data.train_x.to(device), data.train_y.to(device)
-    if args.cuda_graphs:  # as fedaval's GraphedFeatures: the backbone alone, at the training batch's shape
+    if (
+        args.cuda_graphs and args.cuda_graph_scope == "features"
+    ):  # as GraphedFeatures: the backbone, forward and backward
         sample = images[: args.batch_size].clone()
         model.features = torch.cuda.make_graphed_callables(model.features, (sample,))
+
+    def eager_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    step = eager_step
+    if args.cuda_graphs and args.cuda_graph_scope == "step":  # as GraphedStep: the whole step, one graph
+        from gpu_ceilings import whole_step_graph
+
+        batch = images[: args.batch_size].clone(), labels[: args.batch_size].clone()
+        step = whole_step_graph(device, eager_step, *batch, warmup=3)
 
     def steps(n: int) -> None:
         for _ in range(n):
             index = torch.randint(0, len(labels), (args.batch_size,), device=device)
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(images[index]), labels[index]).backward()
-            optimizer.step()
+            step(images[index], labels[index])
 
+    return steps
+
+
+def plain_step_seconds(args, device: torch.device) -> float:
+    from round_throughput import sync
+
+    steps = plain_loop(args, device)
     steps(20)  # warm-up
     sync(device)
     start = time.perf_counter()
@@ -184,10 +221,89 @@ def plain_step_seconds(args, device: torch.device) -> float:
     return (time.perf_counter() - start) / args.plain_steps
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the ATen operations run inside it (on a GPU each is a kernel
+    launch or more, unless a graph replays it), by the file of the innermost
+    fedaval or Avalanche frame that ran each one; ``other`` for the rest (the
+    plain loop's, and a GPU's backward, which runs on autograd's own thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_file: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        where = "other"
+        while frame is not None:
+            name = frame.f_code.co_filename.replace(os.sep, "/")
+            if "/fedaval/" in name or "/avalanche/" in name:
+                where = f"{'avalanche' if '/avalanche/' in name else 'fedaval'}/{Path(name).name}"
+                break
+            frame = frame.f_back
+        self.by_file[where] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountPlugin:
+    """Counts the operations of the first client's second round, from its
+    first epoch's start to its upload (the graphs, if any, captured in the
+    first round), and its steps."""
+
+    name = "step-host-count"
+
+    def __init__(self):
+        self.mode: OpCount | None = None
+        self.counts: collections.Counter[str] | None = None
+        self.steps = 0
+
+    @hookimpl
+    def fedaval_client_epoch_start(self, run, client, epoch):
+        if run.round == 2 and self.counts is None and self.mode is None:
+            self.mode = OpCount()
+            self.mode.__enter__()
+
+    @hookimpl
+    def fedaval_client_step(self, run, client, batch):
+        if self.mode is not None:
+            self.steps += 1
+
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.counts, self.mode = self.mode.by_file, None
+        return {}
+
+
+def count_ops(args, device: torch.device) -> None:
+    """``--count-ops``: ATen operations per step, fedaval's by file, and the plain loop's."""
+    from timed_rounds import timed_rounds
+
+    counter = CountPlugin()
+    with tempfile.TemporaryDirectory(prefix="fedaval-step-host-") as tmp:
+        timed_rounds(fedaval_config(args, Path(tmp) / "run"), extra_plugins=[ModelPlugin(args.layers), counter])
+    assert counter.counts is not None and counter.steps, "--rounds is at least 3: round 2 was counted"
+    total = sum(counter.counts.values())
+    parts = ", ".join(f"{where} {n / counter.steps:.1f}" for where, n in counter.counts.most_common())
+    print(f"ATen operations per step, fedaval: {total / counter.steps:.1f} ({counter.steps} steps; {parts})")
+    steps = plain_loop(args, device)
+    steps(20)  # the graphs' capture, if any
+    plain = OpCount()
+    with plain:
+        steps(50)
+    print(f"ATen operations per step, plain: {sum(plain.by_file.values()) / 50:.1f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:i")
     parser.add_argument("--cuda-graphs", action="store_true", help="fedaval's side with --cuda-graphs (CUDA only)")
+    parser.add_argument(
+        "--cuda-graph-scope",
+        choices=["features", "step"],
+        default="features",
+        help="with --cuda-graphs: what both sides capture (the backbone, or the whole step with the SGD update)",
+    )
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--local-epochs", type=int, default=5)
@@ -195,6 +311,18 @@ def main(argv=None) -> int:
     parser.add_argument("--plain-steps", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=LAYERS,
+        help="scale-and-shift layers in the backbone (30: 62 parameter tensors, as ResNet-18's; 0: the linear "
+        "layer alone, on the CPU a stand-in for a backbone replayed from a graph)",
+    )
+    parser.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="then count each side's ATen operations per step (fedaval's by file), untimed",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -207,8 +335,10 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
     print(f"device: {device} ({name}); load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(
-        f"model: a linear layer and {LAYERS} scale-and-shift layers (62 backbone parameters); digits, "
-        f"{args.clients} clients, batch {args.batch_size}; fedaval{' --cuda-graphs' if args.cuda_graphs else ''}",
+        f"model: a linear layer and {args.layers} scale-and-shift layers ({2 + 2 * args.layers} backbone "
+        "parameters); digits, "
+        f"{args.clients} clients, batch {args.batch_size}; fedaval"
+        + (f" --cuda-graphs --cuda-graph-scope {args.cuda_graph_scope}" if args.cuda_graphs else ""),
         flush=True,
     )
     fedaval_us, plain_us, outside_ms = [], [], []
@@ -230,6 +360,8 @@ def main(argv=None) -> int:
         f"minibatches {statistics.median(outside_ms):.2f} ms"
     )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.count_ops:
+        count_ops(args, device)
     return 0
 
 

@@ -49,6 +49,7 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
     raw = {name: dict(values) for name, values in config.plugin_options.items()}
     scenario_values = {**raw.pop(config.scenario, {}), **config.scenario_options}
     run.plugins = load_plugins(run.pm, config.plugins, raw, extra=[core.CorePlugin(), *extra_plugins])
+    cuda_graphs.check_scope(config, run)
     run.scenarios = registries.collect(run.pm, "scenarios")
     run.datasets = registries.collect(run.pm, "datasets")
     run.models = registries.collect(run.pm, "models")
@@ -85,6 +86,7 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
     with state.no_cyclic_gc():  # 1000 cnn clients are 3 million objects: collections on the way cost ~2 s
         for k, tasks in enumerate(run.partition.clients):
             run.clients.append(Client(run, k, tasks, run.model(k).to(run.device)))
+            cuda_graphs.check_step_plugins(config, run.clients[-1].strategy)
             offload.offload(run, run.clients[-1])  # per --offload-clients, before the next one is built
     return run
 

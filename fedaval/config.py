@@ -19,6 +19,7 @@ OPTIMIZERS = ("sgd", "adam")  # fedaval/training.py: make_optimizer
 OPTIMIZER_STATES = ("reset", "keep")
 LR_SCHEDULES = ("constant", "cosine", "exp")
 AUGMENTS = ("auto", "none", "standard")
+CUDA_GRAPH_SCOPES = ("features", "step")  # what --cuda-graphs captures (fedaval.cuda_graphs)
 
 TRAINING_DEFAULTS: dict[str, dict[str, Any]] = {
     # digits (8x8, the MLP), measured, not guessed: lr 0.01 x 1 epoch left FedAvg
@@ -66,6 +67,7 @@ class RunConfig:
     augment: str = "auto"
     deterministic: bool = False
     cuda_graphs: bool = False
+    cuda_graph_scope: str = "features"
     eval_every: int = 1
     utility_lambda: float = 0.5
     link_mbps: float = 100.0
@@ -170,6 +172,12 @@ class RunConfig:
             ),
             ("--lr-schedule", self.lr_schedule, self.lr_schedule in LR_SCHEDULES, "one of " + ", ".join(LR_SCHEDULES)),
             ("--augment", self.augment, self.augment in AUGMENTS, "one of " + ", ".join(AUGMENTS)),
+            (
+                "--cuda-graph-scope",
+                self.cuda_graph_scope,
+                self.cuda_graph_scope in CUDA_GRAPH_SCOPES,
+                "one of " + ", ".join(CUDA_GRAPH_SCOPES),
+            ),
             (
                 "--lr-min",
                 self.lr_min,

@@ -47,6 +47,27 @@ feature extractor with module hooks (Opacus's per-sample gradients, for one)
 cannot be captured. A backbone whose forward branches in Python on anything
 but its tensors (the task, the round) would be frozen at the capture's
 branch: fedaval's built-in backbones do not.
+
+``--cuda-graph-scope step`` (:class:`GraphedStep`) captures the whole
+training step instead: the forward, the core's cross-entropy, the backward
+and the SGD update, one graph per client and batch shape (the full batch and
+the epoch's last, smaller one, so no step runs eagerly). With the backbone
+alone graphed, fedaval's step on an H200 took 3.7 ms of host time with a
+backbone that computes nothing, more than the 2.8 ms of GPU work of a
+ResNet-18 step (docs/performance.md, item 3): the host, not the GPU, bounds
+it. With the step graphed, what is left of the host's work per step is
+Avalanche's loop and callbacks, the graphs' check, two input copies, the
+replay and three output copies (the eager classifier, loss, backward and
+optimizer kernels, and the launches of the backbone's gradient copies, go
+into the graph). A step's plugins must then
+act outside it: the run is refused, with a one-line error, when a plugin
+implements ``fedaval_classify``, ``fedaval_client_criterion`` or
+``fedaval_client_loss``, when a client's Avalanche plugin overrides a
+callback between a step's start and its update (unless its class sets
+``fedaval_reads_inside_steps``), and with ``--optimizer adam``. Tested on the
+CPU through a stand-in capture (the same results as without graphs, for
+momentum kept or reset, a learning-rate schedule and plain SGD); not yet run
+on a GPU.
 """
 
 from __future__ import annotations
@@ -89,10 +110,8 @@ class GraphedFeatures:
         self._make_graphed = make_graphed  # tests pass a stand-in that runs on the CPU
         self._key: tuple | None = None
         self._graphed: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self._tensors: list[torch.Tensor] | None = None  # the module's parameters and buffers (_signature)
-        self._registrations = -1
+        self._tensors = ModuleTensors(module)
         self.captures = 0
-        _count_registrations()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module
@@ -112,24 +131,9 @@ class GraphedFeatures:
 
     def _signature(self, x: torch.Tensor) -> tuple:
         """What a graph depends on: the batch's shape, dtype and
-        ``requires_grad``, and each of the module's parameters and buffers:
-        the object, its address and ``requires_grad``. Called every step: the
-        module's tensors are listed again only after torch registered a
-        parameter, buffer or submodule anywhere (a replaced tensor). For
-        ResNet-18 the check took 151 us a step with the listing, 40 without
-        (``timeit`` on the CPU machine, session 28)."""
-        if self._tensors is None or self._registrations != _registrations():
-            self._registrations = _registrations()
-            self._tensors = [*self.module.parameters(), *self.module.buffers()]
-        tensors = self._tensors
-        return (
-            tuple(x.shape),
-            x.dtype,
-            x.requires_grad,
-            tuple(map(id, tensors)),  # a new Parameter on the same memory is not the graph's input
-            tuple(t.data_ptr() for t in tensors),
-            tuple(t.requires_grad for t in tensors),
-        )
+        ``requires_grad``, and each of the module's parameters and buffers
+        (:func:`tensor_signature`). Called every step."""
+        return (tuple(x.shape), x.dtype, x.requires_grad, tensor_signature(self._tensors()))
 
     def _full_batch(self, key: tuple) -> bool:
         """Capture at a new batch shape only if it is not smaller than the
@@ -168,6 +172,26 @@ class GraphedFeatures:
         self.captures += 1
 
 
+class ModuleTensors:
+    """A module's parameters and buffers, listed again only after torch
+    registered a parameter, buffer or submodule anywhere (a replaced tensor):
+    the graphs check them every step, and for ResNet-18 the check took 151 us
+    a step with the listing, 40 without (``timeit`` on the CPU machine,
+    session 28). Call it for the list."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self._tensors: list[torch.Tensor] = []
+        self._registrations = -1
+        _count_registrations()
+
+    def __call__(self) -> list[torch.Tensor]:
+        if self._registrations != _registrations():
+            self._registrations = _registrations()
+            self._tensors = [*self.module.parameters(), *self.module.buffers()]
+        return self._tensors
+
+
 _REGISTERED = [0]  # parameters, buffers and submodules torch registered since counting began
 
 
@@ -179,8 +203,8 @@ def _count_registrations() -> None:
     """Count every registration of a parameter, buffer or submodule in any
     module (``module.weight = Parameter(...)`` included), with torch's global
     registration hooks, added once per process by the first
-    :class:`GraphedFeatures` made: a run without ``--cuda-graphs`` is never
-    counted."""
+    :class:`ModuleTensors` made (a graph's): a run without ``--cuda-graphs``
+    is never counted."""
     if _REGISTERED[0] > 0:
         return
     _REGISTERED[0] = 1
@@ -204,3 +228,281 @@ def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+# --- --cuda-graph-scope step: the whole training step as one graph ------------------------------
+
+STEP_HOOKS = ("fedaval_classify", "fedaval_client_criterion", "fedaval_client_loss")
+"""The fedaval hooks that act inside a training step; with the step captured only the core's may be."""
+
+MID_STEP_CALLBACKS = ("before_forward", "after_forward", "before_backward", "after_backward", "before_update")
+"""Avalanche's callbacks between a step's start and its optimizer update."""
+
+MAX_STEP_GRAPHS = 2
+"""Graphs a client keeps, one per batch shape: the full batch and the epoch's last, smaller one."""
+
+
+def check_scope(config, run) -> None:
+    """``--cuda-graph-scope``'s value and what ``step`` needs of the run:
+    ``--cuda-graphs``, SGD, and no plugin implementing a hook that acts
+    inside a step (:data:`STEP_HOOKS`: a captured step would call it once,
+    at the capture, and bake its result in). One-line errors."""
+    scope = config.cuda_graph_scope
+    if scope == "features":
+        return
+    if not config.cuda_graphs:
+        raise FedavalUsageError(f"--cuda-graph-scope {scope} needs --cuda-graphs (it says what the graphs capture)")
+    if config.optimizer != "sgd":
+        raise FedavalUsageError(
+            f"--cuda-graph-scope step needs --optimizer sgd, not {config.optimizer} (Adam's step count would be "
+            "captured as a constant); use --cuda-graph-scope features"
+        )
+    from fedaval.core import CorePlugin
+
+    for hook in STEP_HOOKS:
+        for impl in getattr(run.hook, hook).get_hookimpls():
+            if not isinstance(impl.plugin, CorePlugin):
+                raise FedavalUsageError(
+                    f"--cuda-graph-scope step captures the whole training step, and plugin {impl.plugin_name!r} "
+                    f"acts inside it ({hook}); use --cuda-graph-scope features"
+                )
+
+
+def check_step_plugins(config, strategy) -> None:
+    """With ``--cuda-graph-scope step``, a client's Avalanche plugins must
+    leave its steps alone (:func:`_check_avalanche_plugins`): checked as the
+    run is built."""
+    if config.cuda_graphs and config.cuda_graph_scope == "step":
+        _check_avalanche_plugins(strategy)
+
+
+def _check_avalanche_plugins(strategy) -> None:
+    """A captured step runs Avalanche's callbacks between a step's start and
+    its update after the replay, in their order: right for plugins that only
+    read there (Avalanche's evaluator and its metrics, and any plugin whose
+    class sets ``fedaval_reads_inside_steps = True``, as fedaval's
+    ``HookBridge`` does); another plugin that overrides one of them may
+    change the step, so it is refused."""
+    from avalanche.core import BaseSGDPlugin
+    from avalanche.training.plugins import EvaluationPlugin
+
+    for plugin in strategy.plugins:
+        if isinstance(plugin, EvaluationPlugin) or getattr(plugin, "fedaval_reads_inside_steps", False):
+            continue
+        changed = [cb for cb in MID_STEP_CALLBACKS if getattr(type(plugin), cb) is not getattr(BaseSGDPlugin, cb)]
+        if changed:
+            raise FedavalUsageError(
+                f"--cuda-graph-scope step captures the whole training step, and the Avalanche plugin "
+                f"{type(plugin).__name__} acts inside it ({changed[0]}); use --cuda-graph-scope features"
+            )
+
+
+def tensor_signature(tensors: list[torch.Tensor]) -> tuple:
+    """What a graph captured with ``tensors`` depends on: each one's object,
+    address and ``requires_grad`` (a new Parameter on the old memory is not
+    the graph's input)."""
+    return (
+        tuple(map(id, tensors)),
+        tuple(t.data_ptr() for t in tensors),
+        tuple(t.requires_grad for t in tensors),
+    )
+
+
+def cuda_capture(step: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
+    """``step`` captured as one CUDA graph (not run): its replay and its outputs' static tensors."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph.replay, outputs
+
+
+class _StepGraph:
+    """One captured step: its static inputs, outputs, and the gradients its backward writes."""
+
+    def __init__(self, x, y, replay, outputs, params):
+        self.x, self.y, self.replay = x, y, replay
+        self.features, self.logits, self.loss, *grads = outputs
+        self.params, self.grads = params, grads
+
+
+class GraphedStep:
+    """A client's whole training step (forward, the core's loss, backward,
+    the SGD update) replayed from one CUDA graph per batch shape
+    (``--cuda-graph-scope step``). :meth:`step` does what Avalanche's
+    iteration does between ``optimizer.zero_grad()`` and
+    ``optimizer_step()``.
+
+    The graph reads and writes the client's parameters, buffers and momentum
+    buffers in place, so it is captured again when any of them is replaced,
+    when a parameter's ``requires_grad`` changes, or when the optimizer's
+    hyperparameters change (a learning-rate schedule: every round). Capturing
+    runs :data:`WARMUP_STEPS` forward and backward passes on a side stream
+    (no update), whose effect on BatchNorm's statistics, the gradients and
+    the device's random stream is undone. The momentum buffers must exist
+    at the capture, since the graph updates them in place: a parameter
+    without one gets zeros, which the first update turns into its gradient
+    exactly as SGD's first step does (``0 * momentum + g = g``; only the sign
+    of a zero may differ). For the same reason ``--optimizer-state reset``
+    zeroes them in place at a round's start (:meth:`reset_optimizer_state`)
+    instead of dropping them."""
+
+    def __init__(self, strategy, capture: Callable = cuda_capture):
+        _check_avalanche_plugins(strategy)  # the strategy is not kept: it holds this object
+        self._capture_step = capture  # tests pass a stand-in that runs on the CPU
+        self._graphs: dict[tuple, _StepGraph] = {}
+        self._key: tuple | None = None
+        self._buffers: list[torch.Tensor] = []  # the momentum buffers the graphs update
+        self._tensors = ModuleTensors(strategy.model)
+        self.captures = 0
+        self.replays = 0
+
+    def step(self, strategy, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One training step of ``strategy`` on ``(x, y)``: the parameters
+        updated; returns the step's features, logits and loss (the loss
+        before the update, of shape ``[1]`` as Avalanche's), each the
+        caller's own copy, detached (the step's backward is done)."""
+        key = self._signature(strategy)
+        if key != self._key:
+            self._graphs.clear()
+            self._key = None
+        shape = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)
+        graph = self._graphs.get(shape)
+        if graph is None:
+            graph = self._capture(strategy, x, y)
+            self._keep(shape, graph)
+            self._key = self._signature(strategy)  # the capture made the momentum buffers
+        graph.x.copy_(x)
+        graph.y.copy_(y)
+        graph.replay()
+        self.replays += 1
+        if graph.params and graph.params[0].grad is not graph.grads[0]:
+            for p, g in zip(graph.params, graph.grads):
+                p.grad = g  # as after an eager step: the step's gradients
+        return graph.features.detach().clone(), graph.logits.detach().clone(), graph.loss.detach().clone()
+
+    def reset_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """``--optimizer-state reset`` at a round's start: the optimizer's
+        state emptied, except the momentum buffers the graphs update, which
+        are zeroed in place (the same first step, see the class)."""
+        kept = {id(b) for b in self._buffers}
+        for p in list(optimizer.state):
+            buffer = optimizer.state[p].get("momentum_buffer")
+            if buffer is None or id(buffer) not in kept or len(optimizer.state[p]) > 1:
+                del optimizer.state[p]
+        if self._buffers:
+            torch._foreach_zero_(self._buffers)
+
+    def _signature(self, strategy) -> tuple:
+        """What the graphs depend on besides the batch's shape: the model's
+        parameters and buffers (:func:`tensor_signature`), the optimizer's
+        parameters, momentum buffers and hyperparameters, the model's mode.
+        Called every step: about 40 us for ResNet-18 on the CPU machine."""
+        model, optimizer = strategy.model, strategy.optimizer
+        if self._tensors.module is not model:
+            self._tensors = ModuleTensors(model)
+        buffers = [s.get("momentum_buffer") for s in optimizer.state.values()]
+        groups = optimizer.param_groups
+        return (
+            tensor_signature(self._tensors()),
+            tuple(tuple(map(id, g["params"])) for g in groups),
+            tuple(map(id, buffers)),
+            tuple(b.data_ptr() if b is not None else 0 for b in buffers),
+            tuple(tuple((k, v) for k, v in sorted(g.items()) if k != "params") for g in groups),
+            model.training,
+        )
+
+    def _keep(self, shape: tuple, graph: _StepGraph) -> None:
+        """Keep at most :data:`MAX_STEP_GRAPHS`: the largest batch's graph and the latest other one."""
+        if len(self._graphs) >= MAX_STEP_GRAPHS:
+            largest = max(self._graphs, key=lambda s: s[0][0])
+            for other in [s for s in self._graphs if s != largest]:
+                del self._graphs[other]
+        self._graphs[shape] = graph
+
+    @staticmethod
+    def _forward_loss(strategy, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The strategy's own forward and criterion on ``(x, y)``, as its
+        eager iteration computes them: loss = Avalanche's empty loss + the
+        criterion."""
+        saved = strategy.mbatch
+        strategy.mbatch = [x, y, *saved[2:]]
+        try:
+            logits = strategy.forward()
+            strategy.mb_output = logits
+            loss = strategy._make_empty_loss() + strategy.criterion()
+            return strategy.mb_features, logits, loss
+        finally:
+            strategy.mbatch = saved
+
+    def _capture(self, strategy, x: torch.Tensor, y: torch.Tensor) -> _StepGraph:
+        model, optimizer = strategy.model, strategy.optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        saved_buffers = [b.clone() for b in model.buffers()]
+        saved_grads = [p.grad for p in params]
+        rng = _rng_state(x.device)
+        static_x, static_y = x.detach().clone(), y.detach().clone()
+        try:
+            with _side_stream(x.device):
+                for _ in range(WARMUP_STEPS):
+                    for p in params:
+                        p.grad = None
+                    self._forward_loss(strategy, static_x, static_y)[2].backward()
+            trained = [p for p in params if p.grad is not None]
+            self._buffers = _momentum_buffers(optimizer, trained)
+        finally:
+            with torch.no_grad():  # the warm-up steps' BatchNorm updates, undone
+                for live, saved in zip(model.buffers(), saved_buffers):
+                    live.copy_(saved)
+            for p, g in zip(params, saved_grads):
+                p.grad = g
+            _set_rng_state(rng, x.device)
+
+        def step() -> tuple[torch.Tensor, ...]:
+            for p in params:
+                p.grad = None  # the backward writes each gradient afresh, as after zero_grad()
+            features, logits, loss = self._forward_loss(strategy, static_x, static_y)
+            loss.backward()
+            grads = [p.grad for p in trained]
+            optimizer.step()
+            return (features, logits, loss, *grads)
+
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        replay, outputs = self._capture_step(step)
+        _set_rng_state(rng, x.device)
+        self.captures += 1
+        return _StepGraph(static_x, static_y, replay, outputs, trained)
+
+
+def _momentum_buffers(optimizer: torch.optim.Optimizer, trained: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The momentum buffers of ``trained``'s parameters, zeros made for those without (see GraphedStep)."""
+    buffers = []
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        held = {id(p) for p in group["params"]}
+        for p in trained:
+            if id(p) in held:
+                state = optimizer.state[p]
+                if state.get("momentum_buffer") is None:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                buffers.append(state["momentum_buffer"])
+    return buffers
+
+
+def _side_stream(device: torch.device):
+    """The warm-up steps' stream: a side stream on a GPU (as before a capture), none on the CPU."""
+    from contextlib import contextmanager, nullcontext
+
+    if device.type != "cuda":
+        return nullcontext()
+
+    @contextmanager
+    def side():
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    return side()

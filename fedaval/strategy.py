@@ -33,7 +33,7 @@ from avalanche.core import SupervisedPlugin
 from avalanche.models.dynamic_modules import DynamicModule, avalanche_model_adaptation
 from avalanche.training.templates import SupervisedTemplate
 
-from fedaval.cuda_graphs import GraphedFeatures
+from fedaval.cuda_graphs import GraphedFeatures, GraphedStep
 from fedaval.device_data import device_batches, eval_batches
 from fedaval.errors import FedavalUsageError
 from fedaval.models import is_on
@@ -135,10 +135,12 @@ class FederatedStrategy(SupervisedTemplate):
         self.mb_features: torch.Tensor | None = None
         self._task_data: tuple[Any, Any] | None = None
         self._graphed: GraphedFeatures | None = None  # --cuda-graphs (fedaval.cuda_graphs); not pickled
+        self._graphed_step: GraphedStep | None = None  # --cuda-graph-scope step; not pickled
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_graphed"] = None  # a CUDA graph is not state: captured anew where the strategy is loaded
+        state["_graphed_step"] = None
         return state
 
     def forward(self):
@@ -151,7 +153,13 @@ class FederatedStrategy(SupervisedTemplate):
 
     def _features(self) -> torch.Tensor:
         """``model.features`` of the minibatch; through a CUDA graph with ``--cuda-graphs``."""
-        if self.client is None or not self.run.config.cuda_graphs or not self.is_training:
+        config = self.run.config
+        if (
+            self.client is None
+            or not config.cuda_graphs
+            or config.cuda_graph_scope != "features"
+            or not self.is_training
+        ):
             return self.model.features(self.mb_x)
         graphed = getattr(self, "_graphed", None)  # a strategy pickled before the option has none
         if graphed is None or graphed.module is not self.model.features:
@@ -164,8 +172,12 @@ class FederatedStrategy(SupervisedTemplate):
             from fedaval.training import round_lr
 
             run = self.run
-            if run.config.optimizer_state == "reset":
-                self.optimizer.state.clear()  # no momentum carried over from the last round's weights
+            if run.config.optimizer_state == "reset":  # no momentum carried over from the last round's weights
+                graphed = getattr(self, "_graphed_step", None)
+                if graphed is not None:
+                    graphed.reset_optimizer_state(self.optimizer)  # its graphs update the momentum buffers in place
+                else:
+                    self.optimizer.state.clear()
             lr = round_lr(run.config, run.round, run.total_rounds)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -173,14 +185,43 @@ class FederatedStrategy(SupervisedTemplate):
 
     def _after_training(self, **kwargs):
         super()._after_training(**kwargs)
-        if getattr(self, "_graphed", None) is not None and not self._trains_next_round():
+        if not self._trains_next_round():
             # --cuda-graphs: a graph holds its activations' memory; a client that idles next
             # round lets it go and captures anew when it trains again
-            self._graphed = None
+            self._graphed = self._graphed_step = None
 
     def _trains_next_round(self) -> bool:
         run = self.run
         return run.round < len(run.schedule) and self.client is not None and self.client.id in run.schedule[run.round]
+
+    def training_epoch(self, **kwargs):
+        """Avalanche's (``SGDUpdate.training_epoch``); with ``--cuda-graph-scope
+        step`` each iteration's work from ``zero_grad`` to the optimizer step
+        is one graph replay (:class:`fedaval.cuda_graphs.GraphedStep`), and
+        the callbacks between them run after it, in their order, with the
+        step's output and loss: the loop below is Avalanche's with that one
+        change. The run allows it only where no plugin acts inside a step
+        (``fedaval.cuda_graphs.check_scope``, and the strategy's Avalanche
+        plugins when the graph is made)."""
+        config = self.run.config
+        if self.client is None or not config.cuda_graphs or config.cuda_graph_scope != "step":
+            return super().training_epoch(**kwargs)
+        graphed = getattr(self, "_graphed_step", None)
+        if graphed is None:
+            graphed = self._graphed_step = GraphedStep(self)
+        for self.mbatch in self.dataloader:  # noqa: B020 (Avalanche's loop sets its minibatch so)
+            if self._stop_training:
+                break
+            self._unpack_minibatch()
+            self._before_training_iteration(**kwargs)
+            self.mb_features, self.mb_output, self.loss = graphed.step(self, self.mb_x, self.mb_y)
+            self._before_forward(**kwargs)
+            self._after_forward(**kwargs)
+            self._before_backward(**kwargs)
+            self._after_backward(**kwargs)
+            self._before_update(**kwargs)
+            self._after_update(**kwargs)
+            self._after_training_iteration(**kwargs)
 
     def _unpack_minibatch(self):
         super()._unpack_minibatch()
@@ -331,6 +372,11 @@ class HookBridge(SupervisedPlugin):
     """Calls fedaval hooks from a client's Avalanche strategy callbacks, and
     adds the collected local-loss terms to the loss. Keeps per-round means of
     every term (as tensors, to avoid a device sync per minibatch)."""
+
+    fedaval_reads_inside_steps = True
+    """Inside a step it only reads, and calls ``fedaval_client_loss``, which
+    ``--cuda-graph-scope step`` allows no plugin to implement
+    (:func:`fedaval.cuda_graphs.check_scope`)."""
 
     def __init__(self, run: Run, client: Client):
         super().__init__()

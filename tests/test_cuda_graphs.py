@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import TEST_DEVICE, one_line_error, strip_timing
 
+from fedaval import hookimpl
 from fedaval.cuda_graphs import WARMUP_STEPS, GraphedFeatures
 from fedaval.errors import FedavalUsageError
 
@@ -283,3 +284,229 @@ def test_on_a_gpu_the_graphs_change_no_result(tiny_config, tmp_path, monkeypatch
     results = with_and_without_graphs(tiny_config, tmp_path, settings)
     assert results[True] == results[False]
     assert len(captures) >= 3 and all(shape[0] == 32 for shape in captures)  # every client, at full batches
+
+
+# --- --cuda-graph-scope step ---------------------------------------------------------------------
+
+
+class FakeStepCapture:
+    """Stands in for ``cuda_capture``: as a real capture, it does not run the
+    step (it runs it once for its outputs' tensors, then puts the model, the
+    optimizer's state and the random stream back as they were); a "replay"
+    runs the step eagerly and copies its outputs into the same static tensors
+    every time."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, step):
+        state = [s["momentum_buffer"] for s in self.optimizer.state.values()]
+        tensors = [*self.model.parameters(), *self.model.buffers(), *state]
+        saved = [t.detach().clone() for t in tensors]
+        rng = torch.get_rng_state()
+        statics = tuple(out.detach().clone() for out in step())
+        with torch.no_grad():
+            for t, value in zip(tensors, saved):
+                t.copy_(value)
+        torch.set_rng_state(rng)
+        self.captures += 1
+
+        def replay():
+            self.replays += 1
+            outputs = step()
+            with torch.no_grad():
+                for static, out in zip(statics, outputs):
+                    static.copy_(out)
+
+        return replay, statics
+
+
+@pytest.fixture
+def stand_in_step_graphs(monkeypatch):
+    """--cuda-graph-scope step on the CPU, each client's capture stood in by FakeStepCapture; yields the graphed steps made."""
+    from fedaval import cuda_graphs, strategy
+    from fedaval.cuda_graphs import GraphedStep
+
+    made = []
+
+    def graphed(strat):
+        made.append(GraphedStep(strat, capture=FakeStepCapture(strat.model, strat.optimizer)))
+        return made[-1]
+
+    monkeypatch.setattr(strategy, "GraphedStep", graphed)
+    monkeypatch.setattr(cuda_graphs, "check_device", lambda *args: None)
+    return made
+
+
+def with_and_without_step_graphs(tiny_config, tmp_path, settings) -> dict[bool, dict]:
+    from fedaval.api import run_training
+
+    results = {}
+    for graphs in (False, True):
+        scope = dict(cuda_graphs=True, cuda_graph_scope="step") if graphs else {}
+        config = tiny_config(out=str(tmp_path / str(graphs)), **scope, **settings)
+        results[graphs] = strip_timing(run_training(config))
+        for option in ("cuda_graphs", "cuda_graph_scope"):
+            results[graphs]["config"].pop(option)
+    return results
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(momentum=0.9),  # --optimizer-state reset: the momentum buffers zeroed in place each round
+        dict(momentum=0.9, optimizer_state="keep"),
+        dict(momentum=0.9, lr_schedule="cosine", lr_min=1e-3),  # a new learning rate each round: captured anew
+        dict(momentum=0.0),
+        dict(momentum=0.9, offload_clients="cpu"),  # a client's strategy pickled between rounds: captured anew
+    ],
+    ids=["reset", "keep", "cosine", "no-momentum", "offloaded"],
+)
+def test_a_run_through_stand_in_step_graphs_gives_the_same_results(tiny_config, tmp_path, stand_in_step_graphs, extra):
+    """The strategy's loop with the whole step replayed (callbacks after the
+    replay, the update in the graph, zero momentum buffers made before the
+    capture and zeroed, not dropped, at a round's start) changes no result
+    when a replay computes what an eager step does."""
+    results = with_and_without_step_graphs(tiny_config, tmp_path, dict(SAMPLED, **extra))
+    assert results[True] == results[False]
+    fakes = [g._capture_step for g in stand_in_step_graphs]
+    assert sum(f.captures for f in fakes) >= 4 and sum(f.replays for f in fakes) > 50
+    assert all(g.replays == g._capture_step.replays for g in stand_in_step_graphs)
+
+
+def test_a_step_graphed_run_resumed_from_a_checkpoint_gives_the_whole_runs_results(
+    tiny_config, tmp_path, stand_in_step_graphs
+):
+    """A checkpoint holds the momentum buffers the graphs update, not the graphs: a run resumed from
+    mid-task (round 2) and from a task's start (round 4) captures anew and ends as the whole run, and as
+    the run without graphs."""
+    from fedaval import checkpoint
+    from fedaval.api import run_training
+    from fedaval.build import build_run
+    from fedaval.coordinator import train
+
+    settings = dict(momentum=0.9, rounds_per_task=3, keep_checkpoints=100)
+    eager = strip_timing(run_training(tiny_config(out=str(tmp_path / "eager"), **settings)))
+    config = tiny_config(out=str(tmp_path / "whole"), cuda_graphs=True, cuda_graph_scope="step", **settings)
+    whole = strip_timing(run_training(config))
+    for round in (2, 4):
+        run = build_run(config, out_dir=tmp_path / f"resumed{round}")
+        results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", round))
+        assert strip_timing(train(run, results=results)) == whole
+    for option in ("cuda_graphs", "cuda_graph_scope"):
+        whole["config"].pop(option)
+        eager["config"].pop(option)
+    assert whole == eager
+
+
+def test_a_client_keeps_one_graph_for_its_full_batches_and_one_for_its_last(tiny_config, stand_in_step_graphs):
+    """One task of 3 rounds, constant learning rate: each client captures
+    the full batch and its epoch's last, smaller one once, and replays them
+    in every later round; the momentum buffers stay the same tensors."""
+    from fedaval.build import build_run
+    from fedaval.coordinator import run_round
+
+    run = build_run(
+        tiny_config(cuda_graphs=True, cuda_graph_scope="step", momentum=0.9, rounds_per_task=3, offload_clients="none")
+    )
+    run.server.begin_task(0)
+    run_round(run, 1)
+    client = run.clients[0]
+    graphed = client.strategy._graphed_step
+    buffers = [s["momentum_buffer"] for s in client.strategy.optimizer.state.values()]
+    shapes = sorted(shape[0][0] for shape in graphed._graphs)
+    assert shapes[-1] == 32 and len(shapes) == 2, shapes  # the epoch's last batch is smaller
+    run_round(run, 2)
+    assert client.strategy._graphed_step is graphed and graphed.captures == 2
+    assert [s["momentum_buffer"] for s in client.strategy.optimizer.state.values()] == buffers
+    last = next(g for g in graphed._graphs.values() if g.x.shape[0] < 32)  # each epoch ends with it
+    assert all(p.grad is g for p, g in zip(last.params, last.grads))  # the step's gradients, as after an eager step
+
+
+def test_a_third_batch_shape_replaces_the_smaller_graph():
+    from fedaval.cuda_graphs import GraphedStep
+
+    graphed = GraphedStep.__new__(GraphedStep)
+    graphed._graphs = {}
+    for batch in (32, 20, 12):
+        graphed._keep(((batch, 1), torch.float32, (batch,), torch.int64), object())
+    assert sorted(shape[0][0] for shape in graphed._graphs) == [12, 32]
+
+
+def test_the_step_scope_without_cuda_graphs_is_a_one_line_error(tmp_path):
+    out = tmp_path / "run"
+    line = one_line_error(["train", "--cuda-graph-scope", "step", "--device", "cpu", "--out", str(out)])
+    assert line == "fedaval: error: --cuda-graph-scope step needs --cuda-graphs (it says what the graphs capture)"
+    line = one_line_error(["train", "--cuda-graph-scope", "all", "--out", str(out)])
+    assert line == "fedaval: error: bad value --cuda-graph-scope all; must be one of features, step"
+    assert not out.exists()
+
+
+class ChangesTheStep:
+    """A third-party plugin whose Avalanche plugin acts inside a step."""
+
+    name = "changes-the-step"
+
+    @hookimpl
+    def fedaval_client_avalanche_plugins(self, run, client):
+        from avalanche.core import SupervisedPlugin
+
+        class ScalesTheLoss(SupervisedPlugin):
+            def before_backward(self, strategy, **kwargs):
+                strategy.loss = strategy.loss * 2
+
+        return [ScalesTheLoss()]
+
+
+@pytest.mark.parametrize(
+    "settings, why",
+    [
+        (dict(plugins=["fedprox"]), "plugin 'fedprox' acts inside it (fedaval_client_loss)"),
+        (
+            dict(plugins=["fedavg"], extra=[ChangesTheStep()]),
+            "the Avalanche plugin ScalesTheLoss acts inside it (before_backward)",
+        ),
+        (dict(plugins=["fedewc"]), "the Avalanche plugin FusedEWCPlugin acts inside it (before_backward)"),
+    ],
+    ids=["loss-term", "avalanche-plugin", "fedewc"],
+)
+def test_a_plugin_acting_inside_a_step_refuses_the_step_scope(tiny_config, stand_in_step_graphs, settings, why):
+    """A captured step would run a local-loss term or an Avalanche callback once, at the capture: refused as
+    the run is built, naming what acts inside the step."""
+    from fedaval.build import build_run
+
+    extra = settings.pop("extra", [])
+    with pytest.raises(FedavalUsageError) as error:
+        build_run(tiny_config(cuda_graphs=True, cuda_graph_scope="step", **settings), extra)
+    assert str(error.value) == (
+        f"--cuda-graph-scope step captures the whole training step, and {why}; use --cuda-graph-scope features"
+    )
+
+
+def test_the_step_scope_with_adam_is_refused(tiny_config, stand_in_step_graphs):
+    from fedaval.build import build_run
+
+    with pytest.raises(FedavalUsageError, match="^--cuda-graph-scope step needs --optimizer sgd, not adam"):
+        build_run(tiny_config(cuda_graphs=True, cuda_graph_scope="step", optimizer="adam", momentum=0.0))
+
+
+@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (FEDAVAL_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("model", ["auto", "cnn"])
+def test_on_a_gpu_the_step_graphs_change_no_result(tiny_config, tmp_path, monkeypatch, model):
+    """As the features' test above, with the whole step captured and SGD with momentum (the momentum buffers
+    updated by the graph, zeroed at each round's start)."""
+    from fedaval.cuda_graphs import GraphedStep
+
+    captures = []
+    capture = GraphedStep._capture
+    monkeypatch.setattr(
+        GraphedStep, "_capture", lambda self, strat, x, y: (captures.append(x.shape), capture(self, strat, x, y))[1]
+    )
+
+    settings = dict(model=model, scenario_options={"clients": 3, "tasks": 2}, clients_per_round=2, momentum=0.9)
+    settings.update(offload_clients="cpu", rounds_per_task=3)
+    results = with_and_without_step_graphs(tiny_config, tmp_path, settings)
+    assert results[True] == results[False]
+    assert len(captures) >= 3 and any(shape[0] == 32 for shape in captures)

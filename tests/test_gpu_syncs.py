@@ -20,6 +20,13 @@ pytestmark = pytest.mark.skipif(
     not TEST_DEVICE.startswith("cuda"), reason="counts CUDA synchronisations (FEDAVAL_TEST_DEVICE=cuda)"
 )
 
+GRAPHS = {
+    "no-graphs": {},
+    "graphs": dict(cuda_graphs=True),
+    "step-graphs": dict(cuda_graphs=True, cuda_graph_scope="step"),
+}
+"""The runs' --cuda-graphs settings: none, the backbone, the whole step."""
+
 
 @contextmanager
 def counting_synchronisations():
@@ -52,16 +59,16 @@ def synchronisations(run, round: int) -> tuple[int, list[str]]:
 
 
 @pytest.mark.parametrize("model", ["auto", "cnn"])
-@pytest.mark.parametrize("cuda_graphs", [False, True])
+@pytest.mark.parametrize("graphs", GRAPHS)
 @pytest.mark.parametrize("augment", ["none", "standard"])
-def test_a_round_does_not_synchronise_per_minibatch(tiny_config, model, cuda_graphs, augment):
+def test_a_round_does_not_synchronise_per_minibatch(tiny_config, model, graphs, augment):
     """``augment=standard`` (CIFAR's default): its padding value was kept on the CPU and copied to the
     GPU, with a wait, in every minibatch."""
     from fedaval.build import build_run
     from fedaval.coordinator import run_round
 
     # batch 8: some 40 minibatches per client and round; no evaluation in round 2
-    run = build_run(tiny_config(model=model, batch_size=8, eval_every=10, cuda_graphs=cuda_graphs, augment=augment))
+    run = build_run(tiny_config(model=model, batch_size=8, eval_every=10, augment=augment, **GRAPHS[graphs]))
     run.server.begin_task(0)
     run_round(run, 1)  # CUDA's and the graphs' set-up
     syncs, places = synchronisations(run, 2)
@@ -147,8 +154,8 @@ def test_herding_waits_for_the_gpu_once_not_once_a_step():
     assert len(syncs) <= 2, syncs
 
 
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_the_clients_of_a_round_wait_for_the_gpu_once_not_once_each(tiny_config, cuda_graphs):
+@pytest.mark.parametrize("graphs", GRAPHS)
+def test_the_clients_of_a_round_wait_for_the_gpu_once_not_once_each(tiny_config, graphs):
     """Each client's loss terms and upload check were read right after it
     (three waits a client): the GPU then idled while the host received, set
     up and uploaded the next client, which with ``--cuda-graphs`` and a few
@@ -160,7 +167,7 @@ def test_the_clients_of_a_round_wait_for_the_gpu_once_not_once_each(tiny_config,
     from fedaval.build import build_run
     from fedaval.coordinator import client_extras, run_round
 
-    run = build_run(tiny_config(scenario_options={"clients": 4, "tasks": 2}, eval_every=10, cuda_graphs=cuda_graphs))
+    run = build_run(tiny_config(scenario_options={"clients": 4, "tasks": 2}, eval_every=10, **GRAPHS[graphs]))
     run.server.begin_task(0)
     run_round(run, 1)
     run.enter_round(2)

@@ -204,6 +204,13 @@ def cli() -> None:
     "as without (fedaval/cuda_graphs.py).",
 )
 @click.option(
+    "--cuda-graph-scope",
+    default="features",
+    show_default=True,
+    help="What --cuda-graphs captures: features (the backbone, forward and backward) or step (the whole "
+    "training step with the SGD update: fewer launches still; only where no plugin acts inside a step).",
+)
+@click.option(
     "--seed",
     default=0,
     show_default=True,
