@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import math
 import os
 import statistics
@@ -57,6 +58,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -149,12 +151,36 @@ def fedaval_config(args, out: Path):
             eval_every=args.rounds,
             checkpoint_every=0,
             device=args.device,
-            cuda_graphs=args.cuda_graphs,
-            cuda_graph_scope=args.cuda_graph_scope,
+            cuda_graphs=args.cuda_graphs or args.null_graphs,
+            cuda_graph_scope="step" if args.null_graphs else args.cuda_graph_scope,
             seed=0,
             out=str(out),
         )
     )
+
+
+def null_capture(step):
+    """A stand-in for ``cuda_capture`` whose replay does nothing: the step
+    runs once, for its outputs' static tensors (``--null-graphs``)."""
+    outputs = tuple(out.detach().clone() for out in step())
+    return (lambda: None), outputs
+
+
+@contextlib.contextmanager
+def null_graphs(on: bool):
+    """``--null-graphs``: fedaval's ``--cuda-graph-scope step`` on any
+    device, each client's graph stood in by :func:`null_capture`."""
+    if not on:
+        yield
+        return
+    from fedaval import cuda_graphs, strategy
+
+    made = cuda_graphs.GraphedStep
+    with (
+        mock.patch.object(cuda_graphs, "check_device", lambda *args: None),
+        mock.patch.object(strategy, "GraphedStep", lambda strat: made(strat, capture=null_capture)),
+    ):
+        yield
 
 
 def fedaval_step_seconds(args, out: Path) -> tuple[float, float]:
@@ -164,7 +190,8 @@ def fedaval_step_seconds(args, out: Path) -> tuple[float, float]:
     from timed_rounds import timed_rounds
 
     spans = SpanPlugin()
-    timed = timed_rounds(fedaval_config(args, out), extra_plugins=[ModelPlugin(args.layers), spans])
+    with null_graphs(args.null_graphs):
+        timed = timed_rounds(fedaval_config(args, out), extra_plugins=[ModelPlugin(args.layers), spans])
     samples = timed.results["scenario"]["client_task_samples"]  # one task, every client every round
     steps = args.local_epochs * sum(math.ceil(client[0] / args.batch_size) for client in samples)
     records = timed.records[1:-1]  # the first round sets up, the last evaluates
@@ -195,6 +222,13 @@ def plain_loop(args, device: torch.device):
         optimizer.step()
 
     step = eager_step
+    if args.null_graphs:  # the whole step a replay that does nothing: the batch's copy into its static tensors
+        static_x, static_y = images[: args.batch_size].clone(), labels[: args.batch_size].clone()
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            static_x.copy_(x)
+            static_y.copy_(y)
+
     if args.cuda_graphs and args.cuda_graph_scope == "step":  # as GraphedStep: the whole step, one graph
         from gpu_ceilings import whole_step_graph
 
@@ -281,7 +315,8 @@ def count_ops(args, device: torch.device) -> None:
 
     counter = CountPlugin()
     with tempfile.TemporaryDirectory(prefix="fedaval-step-host-") as tmp:
-        timed_rounds(fedaval_config(args, Path(tmp) / "run"), extra_plugins=[ModelPlugin(args.layers), counter])
+        with null_graphs(args.null_graphs):
+            timed_rounds(fedaval_config(args, Path(tmp) / "run"), extra_plugins=[ModelPlugin(args.layers), counter])
     assert counter.counts is not None and counter.steps, "--rounds is at least 3: round 2 was counted"
     total = sum(counter.counts.values())
     parts = ", ".join(f"{where} {n / counter.steps:.1f}" for where, n in counter.counts.most_common())
@@ -319,6 +354,12 @@ def main(argv=None) -> int:
         "layer alone, on the CPU a stand-in for a backbone replayed from a graph)",
     )
     parser.add_argument(
+        "--null-graphs",
+        action="store_true",
+        help="both sides' whole step stood in by a graph replay that does nothing, on any device: the host's "
+        "work per step around a replay (fedaval with --cuda-graph-scope step); not with --cuda-graphs",
+    )
+    parser.add_argument(
         "--count-ops",
         action="store_true",
         help="then count each side's ATen operations per step (fedaval's by file), untimed",
@@ -330,6 +371,8 @@ def main(argv=None) -> int:
 
     device = resolve_device(args.device)
     args.device = str(device)
+    if args.cuda_graphs and args.null_graphs:
+        parser.error("--null-graphs stands in for the graphs: not with --cuda-graphs")
     if args.cuda_graphs and device.type != "cuda":
         parser.error(f"--cuda-graphs needs a CUDA device; --device is {device}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
@@ -338,7 +381,12 @@ def main(argv=None) -> int:
         f"model: a linear layer and {args.layers} scale-and-shift layers ({2 + 2 * args.layers} backbone "
         "parameters); digits, "
         f"{args.clients} clients, batch {args.batch_size}; fedaval"
-        + (f" --cuda-graphs --cuda-graph-scope {args.cuda_graph_scope}" if args.cuda_graphs else ""),
+        + (f" --cuda-graphs --cuda-graph-scope {args.cuda_graph_scope}" if args.cuda_graphs else "")
+        + (
+            " --cuda-graph-scope step, every graph a replay that does nothing (--null-graphs)"
+            if args.null_graphs
+            else ""
+        ),
         flush=True,
     )
     fedaval_us, plain_us, outside_ms = [], [], []
