@@ -343,6 +343,23 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in b if b[k].is_floating_point())
 
 
+def count_ops(args, out: Path) -> None:
+    """``--count-ops``: each side's ATen operations a round (everything it
+    does, divided by the rounds), by the file that ran them: on a GPU each
+    is a kernel launch or more, which the host pays for whatever the work."""
+    from op_count import OpCount
+
+    rounds = args.tasks * args.rounds_per_task
+    with OpCount() as fedaval_ops:
+        time_fedaval(args, out)
+    with OpCount() as plain_ops:
+        time_plain(args)
+    print(f"\nATen operations a round (each side's whole run over its {rounds} rounds, untimed):")
+    for side, ops in (("fedaval", fedaval_ops), ("plain", plain_ops)):
+        print(f"{side}: {ops.total() / rounds:,.0f} ({ops.table(rounds)})")
+    print(f"fedaval - plain: {(fedaval_ops.total() - plain_ops.total()) / rounds:,.0f} a round")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_work_arguments(parser)
@@ -352,6 +369,11 @@ def main(argv=None) -> int:
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/overhead.md")
     parser.add_argument(
         "--profile", action="store_true", help="then one more fedaval run under cProfile: its top functions by own time"
+    )
+    parser.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="then one more run of each side, untimed, counting its ATen operations a round, by file",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -383,6 +405,8 @@ def main(argv=None) -> int:
             profile.disable()
             print("cProfile of one more fedaval run, by own time:")
             pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+        if args.count_ops:
+            count_ops(args, Path(tmp) / "counted")
     fed, plain = statistics.median(times["fedaval"]), statistics.median(times["plain"])
     command = "python benchmarks/overhead.py" + (
         "" if not (argv or sys.argv[1:]) else " " + " ".join(argv or sys.argv[1:])

@@ -49,7 +49,6 @@ launch unless a graph replays it). Not a test: nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import math
 import os
@@ -62,11 +61,12 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+
+from op_count import OpCount  # noqa: E402
 
 from fedaval import hookimpl  # noqa: E402
 
@@ -255,29 +255,6 @@ def plain_step_seconds(args, device: torch.device) -> float:
     return (time.perf_counter() - start) / args.plain_steps
 
 
-class OpCount(TorchDispatchMode):
-    """Counts the ATen operations run inside it (on a GPU each is a kernel
-    launch or more, unless a graph replays it), by the file of the innermost
-    fedaval or Avalanche frame that ran each one; ``other`` for the rest (the
-    plain loop's, and a GPU's backward, which runs on autograd's own thread)."""
-
-    def __init__(self):
-        super().__init__()
-        self.by_file: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        frame = sys._getframe(1)
-        where = "other"
-        while frame is not None:
-            name = frame.f_code.co_filename.replace(os.sep, "/")
-            if "/fedaval/" in name or "/avalanche/" in name:
-                where = f"{'avalanche' if '/avalanche/' in name else 'fedaval'}/{Path(name).name}"
-                break
-            frame = frame.f_back
-        self.by_file[where] += 1
-        return func(*args, **(kwargs or {}))
-
-
 class CountPlugin:
     """Counts the operations of the first client's second round, from its
     first epoch's start to its upload (the graphs, if any, captured in the
@@ -287,7 +264,7 @@ class CountPlugin:
 
     def __init__(self):
         self.mode: OpCount | None = None
-        self.counts: collections.Counter[str] | None = None
+        self.counts: OpCount | None = None
         self.steps = 0
 
     @hookimpl
@@ -305,7 +282,7 @@ class CountPlugin:
     def fedaval_client_upload(self, run, client):
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
-            self.counts, self.mode = self.mode.by_file, None
+            self.counts, self.mode = self.mode, None
         return {}
 
 
@@ -318,15 +295,16 @@ def count_ops(args, device: torch.device) -> None:
         with null_graphs(args.null_graphs):
             timed_rounds(fedaval_config(args, Path(tmp) / "run"), extra_plugins=[ModelPlugin(args.layers), counter])
     assert counter.counts is not None and counter.steps, "--rounds is at least 3: round 2 was counted"
-    total = sum(counter.counts.values())
-    parts = ", ".join(f"{where} {n / counter.steps:.1f}" for where, n in counter.counts.most_common())
-    print(f"ATen operations per step, fedaval: {total / counter.steps:.1f} ({counter.steps} steps; {parts})")
+    counts = counter.counts
+    print(
+        f"ATen operations per step, fedaval: {counts.total() / counter.steps:.1f} ({counter.steps} steps; {counts.table(counter.steps)})"
+    )
     steps = plain_loop(args, device)
     steps(20)  # the graphs' capture, if any
     plain = OpCount()
     with plain:
         steps(50)
-    print(f"ATen operations per step, plain: {sum(plain.by_file.values()) / 50:.1f}")
+    print(f"ATen operations per step, plain: {plain.total() / 50:.1f}")
 
 
 def main(argv=None) -> int:

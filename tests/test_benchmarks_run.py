@@ -41,6 +41,18 @@ def test_overhead_benchmark_runs_and_does_the_same_work():
     assert min(phases["local training"] + phases["evaluation"]) > 0
 
 
+def test_overhead_counts_each_sides_operations_a_round():
+    out = run(
+        "overhead.py", "--dataset", "digits", "--tasks", "2", "--rounds-per-task", "1", "--repeats", "1", "--count-ops"
+    )
+    counts = {side: float(out.split(f"\n{side}: ")[1].split()[0].replace(",", "")) for side in ("fedaval", "plain")}
+    # the same training and evaluation on both sides, fedaval's checkpoints, writes and bookkeeping on top
+    assert 0 < counts["plain"] < counts["fedaval"] < 3 * counts["plain"]
+    assert "benchmarks/overhead.py" in out and "avalanche/base_sgd.py" in out and "fedaval/state.py" in out
+    difference = float(out.split("fedaval - plain: ")[1].split()[0].replace(",", ""))
+    assert difference == pytest.approx(counts["fedaval"] - counts["plain"], abs=1)
+
+
 def test_client_memory_benchmark_runs():
     out = run(
         "client_memory.py",
