@@ -31,16 +31,29 @@ def _roots() -> list[tuple[str, str]]:
     ]
 
 
+NO_KERNEL = ("empty.", "empty_like.", "empty_strided.", "set_.", "_unsafe_view.")
+"""Operations that only allocate or relabel memory (with every view: ``OpOverload.is_view``): no kernel on a GPU."""
+
+
+def launches_kernel(func) -> bool:
+    """Whether ATen operation ``func`` runs a kernel on a GPU (an estimate:
+    views, allocations and the profiler's markers do not; a copy to the
+    host is counted, as a transfer)."""
+    return func.namespace == "aten" and not func.is_view and not func.__name__.startswith(NO_KERNEL)
+
+
 class OpCount(TorchDispatchMode):
     """Counts the ATen operations run inside it, by the innermost fedaval,
     Avalanche or benchmark file on the Python stack that ran each
     (``fedaval/strategy.py``); ``other`` where there is none (a GPU's
     backward, which runs on autograd's own thread). Use it as a context
-    manager; ``by_file`` holds the counts."""
+    manager; ``by_file`` holds the counts, ``launches`` those of the
+    operations that run a kernel on a GPU (:func:`launches_kernel`)."""
 
     def __init__(self):
         super().__init__()
         self.by_file: collections.Counter[str] = collections.Counter()
+        self.launches: collections.Counter[str] = collections.Counter()
         self._roots = _roots()
         self._places: dict[str, str | None] = {}  # a code object's file -> its label (None: not counted)
         self._stdlib = sysconfig.get_paths()["stdlib"]
@@ -63,11 +76,24 @@ class OpCount(TorchDispatchMode):
                 break
             frame = frame.f_back
         self.by_file[where] += 1
+        if launches_kernel(func):
+            self.launches[where] += 1
         return func(*args, **(kwargs or {}))
 
     def total(self) -> int:
         return sum(self.by_file.values())
 
+    def total_launches(self) -> int:
+        return sum(self.launches.values())
+
     def table(self, per: float, top: int = 12) -> str:
-        """The counts divided by ``per`` (steps, rounds), largest first: ``file n, ...``."""
-        return ", ".join(f"{where} {n / per:.1f}" for where, n in self.by_file.most_common(top))
+        """The operations that launch a kernel, divided by ``per`` (steps,
+        rounds), by file, largest first: ``file n, ...``."""
+        return ", ".join(f"{where} {n / per:.1f}" for where, n in self.launches.most_common(top))
+
+    def summary(self, per: float, unit: str) -> str:
+        """``N operations a UNIT, M of them kernels (by file: ...)``."""
+        return (
+            f"{self.total() / per:,.1f} operations a {unit}, {self.total_launches() / per:,.1f} of them kernels "
+            f"({self.table(per)})"
+        )

@@ -354,10 +354,11 @@ def count_ops(args, out: Path) -> None:
         time_fedaval(args, out)
     with OpCount() as plain_ops:
         time_plain(args)
-    print(f"\nATen operations a round (each side's whole run over its {rounds} rounds, untimed):")
+    print(f"\nATen operations (each side's whole run over its {rounds} rounds, untimed; kernels: on a GPU):")
     for side, ops in (("fedaval", fedaval_ops), ("plain", plain_ops)):
-        print(f"{side}: {ops.total() / rounds:,.0f} ({ops.table(rounds)})")
-    print(f"fedaval - plain: {(fedaval_ops.total() - plain_ops.total()) / rounds:,.0f} a round")
+        print(f"{side}: {ops.summary(rounds, 'round')}")
+    more = (fedaval_ops.total_launches() - plain_ops.total_launches()) / rounds
+    print(f"fedaval - plain: {more:,.1f} kernels a round")
 
 
 def main(argv=None) -> int:

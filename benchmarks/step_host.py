@@ -40,8 +40,9 @@ work per step) and the load average. ``--layers 0`` leaves the linear layer
 alone (on the CPU, a stand-in for a backbone replayed from a graph: the
 step's other work is what is left). ``--count-ops`` then counts each side's
 ATen operations per step, untimed (fedaval's in its first client's second
-round, by the file that ran them; on a GPU each is at least one kernel
-launch unless a graph replays it). Not a test: nothing is asserted.
+round), and those of them that run a kernel on a GPU unless a graph
+replays them, by the file that ran them (``op_count.py``). Not a test:
+nothing is asserted.
 
     python benchmarks/step_host.py --layers 0 --repeats 3 --count-ops   # session 30's numbers
 """
@@ -296,15 +297,13 @@ def count_ops(args, device: torch.device) -> None:
             timed_rounds(fedaval_config(args, Path(tmp) / "run"), extra_plugins=[ModelPlugin(args.layers), counter])
     assert counter.counts is not None and counter.steps, "--rounds is at least 3: round 2 was counted"
     counts = counter.counts
-    print(
-        f"ATen operations per step, fedaval: {counts.total() / counter.steps:.1f} ({counter.steps} steps; {counts.table(counter.steps)})"
-    )
+    print(f"ATen operations, fedaval ({counter.steps} steps): {counts.summary(counter.steps, 'step')}")
     steps = plain_loop(args, device)
     steps(20)  # the graphs' capture, if any
     plain = OpCount()
     with plain:
         steps(50)
-    print(f"ATen operations per step, plain: {plain.total() / 50:.1f}")
+    print(f"ATen operations, plain (50 steps): {plain.summary(50, 'step')}")
 
 
 def main(argv=None) -> int:

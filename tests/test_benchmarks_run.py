@@ -45,12 +45,17 @@ def test_overhead_counts_each_sides_operations_a_round():
     out = run(
         "overhead.py", "--dataset", "digits", "--tasks", "2", "--rounds-per-task", "1", "--repeats", "1", "--count-ops"
     )
-    counts = {side: float(out.split(f"\n{side}: ")[1].split()[0].replace(",", "")) for side in ("fedaval", "plain")}
+    lines = {side: out.split(f"\n{side}: ")[1].split("\n")[0] for side in ("fedaval", "plain")}
+    operations = {side: float(line.split()[0].replace(",", "")) for side, line in lines.items()}
+    kernels = {
+        side: float(line.split(" of them kernels")[0].split()[-1].replace(",", "")) for side, line in lines.items()
+    }
     # the same training and evaluation on both sides, fedaval's checkpoints, writes and bookkeeping on top
-    assert 0 < counts["plain"] < counts["fedaval"] < 3 * counts["plain"]
-    assert "benchmarks/overhead.py" in out and "avalanche/base_sgd.py" in out and "fedaval/state.py" in out
+    assert 0 < operations["plain"] < operations["fedaval"] < 3 * operations["plain"]
+    assert all(0 < kernels[side] < operations[side] for side in lines)  # views and allocations launch nothing
+    assert "benchmarks/overhead.py" in out and "avalanche/base_sgd.py" in out
     difference = float(out.split("fedaval - plain: ")[1].split()[0].replace(",", ""))
-    assert difference == pytest.approx(counts["fedaval"] - counts["plain"], abs=1)
+    assert difference == pytest.approx(kernels["fedaval"] - kernels["plain"], abs=0.2)
 
 
 def test_client_memory_benchmark_runs():
@@ -112,8 +117,8 @@ def test_step_host_benchmark_runs():
 def test_step_host_counts_each_sides_operations_per_step():
     out = run("step_host.py", "--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--layers", "0", "--count-ops")
     assert "(2 backbone parameters)" in out
-    fedaval = float(out.split("ATen operations per step, fedaval: ")[1].split()[0])
-    plain = float(out.split("ATen operations per step, plain: ")[1].split()[0])
+    fedaval = float(out.split("ATen operations, fedaval (")[1].split("): ")[1].split()[0])
+    plain = float(out.split("ATen operations, plain (50 steps): ")[1].split()[0])
     # a linear backbone, its classifier, the loss, the backward and SGD: some 50 operations a step, and
     # fedaval's minibatch building and loss bookkeeping on top (65.6 and 53.0 on the CPU, session 30)
     assert 40 < plain < fedaval < 2 * plain
@@ -126,10 +131,10 @@ def test_step_host_with_null_graphs_measures_the_host_work_around_a_replay():
     on the CPU, session 30: the batch built and normalised, copied in, the outputs copied out)."""
     out = run("step_host.py", "--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--null-graphs", "--count-ops")
     assert "every graph a replay that does nothing" in out and "fedaval's own host work" in out
-    fedaval = float(out.split("ATen operations per step, fedaval: ")[1].split()[0])
-    plain = float(out.split("ATen operations per step, plain: ")[1].split()[0])
-    assert plain == 5.0  # randint, two index, two copies
-    assert 10 < fedaval < 30 and "fedaval/cuda_graphs.py" in out and "avalanche/base_sgd.py 0.0" in out
+    fedaval = float(out.split("ATen operations, fedaval (")[1].split("): ")[1].split()[0])
+    plain = out.split("ATen operations, plain (50 steps): ")[1].split("\n")[0]
+    assert plain.startswith("5.0 operations a step, 5.0 of them kernels")  # randint, two index, two copies
+    assert 10 < fedaval < 30 and "fedaval/cuda_graphs.py" in out
 
 
 def test_ewc_penalty_benchmark_compares_avalanches_plugin_with_fedewcs():
