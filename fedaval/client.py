@@ -18,6 +18,7 @@ from numpy.random.mtrand import get_bit_generator, set_bit_generator
 from torch import nn
 
 from fedaval.atomic import atomic_file
+from fedaval.payload import copies, copy_into
 from fedaval.scenarios.partition import ClientTasks
 from fedaval.stash import Stash
 from fedaval.strategy import Batch, FederatedStrategy, HookBridge
@@ -195,10 +196,8 @@ class Client:
         weights = download.get("weights") or {}
         if weights:
             state = self.model.state_dict()
-            with torch.no_grad():
-                for key in self.shared_keys:
-                    if key in weights:
-                        state[key].copy_(weights[key])
+            keys = [key for key in self.shared_keys if key in weights]
+            copy_into([state[key] for key in keys], [weights[key] for key in keys])
         self.run.hook.fedaval_client_receive(run=self.run, client=self, download=download)
 
     def train_round(self, round: int, task: int, begins: bool, ends: bool) -> dict[str, torch.Tensor]:
@@ -234,7 +233,7 @@ class Client:
     def shared_state(self) -> dict[str, torch.Tensor]:
         """The shared keys' current values (what FedAvg uploads)."""
         state = self.model.state_dict()
-        return {key: state[key].detach().clone() for key in self.shared_keys}
+        return dict(zip(self.shared_keys, copies([state[key] for key in self.shared_keys])))
 
     def evaluate(self) -> dict[str, Any]:
         """Avalanche metrics of this client's model on its seen test

@@ -49,6 +49,23 @@ def payload_nbytes(obj: Any) -> int:
     raise TypeError(f"cannot count the bytes of a {type(obj).__name__} in a payload")
 
 
+def copy_into(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    """``target.copy_(value)`` for each pair, as one ``torch._foreach_copy_``:
+    on a GPU one launch per few dozen tensors of a device and dtype instead
+    of one per tensor (a ResNet-18 state dict has 122), the same bytes."""
+    if targets:
+        with torch.no_grad():
+            torch._foreach_copy_(list(targets), list(values))
+
+
+def copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A detached copy of each tensor (``tensor.detach().clone()``), made by
+    :func:`copy_into` into fresh tensors of the same shape and layout."""
+    fresh = [torch.empty_like(t, memory_format=torch.preserve_format) for t in tensors]
+    copy_into(fresh, [t.detach() for t in tensors])
+    return fresh
+
+
 def check_finite(payload: Any, what: str) -> None:
     """Raise ``FloatingPointError`` if any tensor or number in ``payload`` is
     NaN or infinite, naming the first such entry (``what[key][i]...``).

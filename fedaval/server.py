@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fedaval.errors import RunFailure
-from fedaval.payload import Upload, check_finite, merge_entries
+from fedaval.payload import Upload, check_finite, copy_into, merge_entries
 from fedaval.strategy import FederatedStrategy
 
 if TYPE_CHECKING:
@@ -82,9 +82,7 @@ class Server:
                         f"round {round}: {exc}; the global model keeps the previous round's weights"
                     ) from exc
                 state = self.model.state_dict()
-                with torch.no_grad():
-                    for key, value in new.items():
-                        state[key].copy_(value)
+                copy_into([state[key] for key in new], list(new.values()))
         self.extras = merge_entries(hook.fedaval_server_fuse(run=self.run, uploads=uploads, round=round), "download")
         if "weights" in self.extras:
             raise RuntimeError("fedaval_server_fuse may not return 'weights'; implement fedaval_server_fuse_weights")

@@ -44,3 +44,25 @@ def test_global_model_is_the_sample_weighted_mean_of_uploads(tiny_config):
     run_training(tiny_config(), extra_plugins=[probe])
     assert probe.checks and all(probe.checks)
     assert any(k.startswith("classifier.") for k in probe.keys)  # FedAvg shares everything
+
+
+def test_payload_copies_are_exact_and_their_own():
+    """``copies`` and ``copy_into`` (one ``_foreach_copy_`` for a state's tensors): the same values and
+    layouts, in memory of their own."""
+    import torch
+
+    from fedaval.payload import copies, copy_into
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4, 3, 5, 5).to(memory_format=torch.channels_last))
+    tensors = [weight, torch.randn(7), torch.arange(6, dtype=torch.int64)]
+    made = copies(tensors)
+    for original, copy in zip(tensors, made):
+        assert torch.equal(original, copy) and copy.dtype == original.dtype and copy.stride() == original.stride()
+        assert copy.data_ptr() != original.data_ptr() and not copy.requires_grad
+    targets = [torch.zeros_like(t) for t in tensors]
+    copy_into(targets, made)
+    made[1].add_(1)  # the copies are their own: the targets and the originals keep their values
+    assert all(torch.equal(t, o) for t, o in zip(targets, tensors))
+    copy_into([weight], [torch.zeros_like(weight)])  # into a parameter that requires grad: no autograd error
+    assert not weight.detach().any()
