@@ -166,6 +166,7 @@ def fedaval_config(args, root: str, out: Path, graphs: str | None, clients: int)
             device=args.device,
             cuda_graphs=graphs is not None,
             cuda_graph_scope=graphs or "features",
+            precision=args.precision,
             seed=0,
             out=str(out),
         )
@@ -284,6 +285,12 @@ def main(argv=None) -> int:
         "or several in this invocation (both: off and on; all: off, on and step); CUDA only",
     )
     parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="fedaval's --precision (the limit loop stays fp32: what the hardware does for this model as it is)",
+    )
+    parser.add_argument(
         "--processes",
         type=int,
         default=1,
@@ -336,6 +343,7 @@ def main(argv=None) -> int:
         label = (
             "fedaval"
             + {None: "", "features": " --cuda-graphs", "step": " --cuda-graphs --cuda-graph-scope step"}[graphs]
+            + ("" if args.precision == "fp32" else f" --precision {args.precision}")
         )
         if args.processes > 1:
             label += f" in {args.processes} processes"

@@ -20,6 +20,7 @@ OPTIMIZER_STATES = ("reset", "keep")
 LR_SCHEDULES = ("constant", "cosine", "exp")
 AUGMENTS = ("auto", "none", "standard")
 CUDA_GRAPH_SCOPES = ("features", "step")  # what --cuda-graphs captures (fedaval.cuda_graphs)
+PRECISIONS = ("fp32", "bf16")  # local training's forward and loss (fedaval.training.autocast)
 
 TRAINING_DEFAULTS: dict[str, dict[str, Any]] = {
     # digits (8x8, the MLP), measured, not guessed: lr 0.01 x 1 epoch left FedAvg
@@ -68,6 +69,7 @@ class RunConfig:
     deterministic: bool = False
     cuda_graphs: bool = False
     cuda_graph_scope: str = "features"
+    precision: str = "fp32"
     eval_every: int = 1
     utility_lambda: float = 0.5
     link_mbps: float = 100.0
@@ -172,6 +174,7 @@ class RunConfig:
             ),
             ("--lr-schedule", self.lr_schedule, self.lr_schedule in LR_SCHEDULES, "one of " + ", ".join(LR_SCHEDULES)),
             ("--augment", self.augment, self.augment in AUGMENTS, "one of " + ", ".join(AUGMENTS)),
+            ("--precision", self.precision, self.precision in PRECISIONS, "one of " + ", ".join(PRECISIONS)),
             (
                 "--cuda-graph-scope",
                 self.cuda_graph_scope,

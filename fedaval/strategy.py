@@ -144,12 +144,23 @@ class FederatedStrategy(SupervisedTemplate):
         return state
 
     def forward(self):
-        features = self._features()
-        self.mb_features = features
-        logits = self.run.hook.fedaval_classify(
-            run=self.run, client=self.client, model=self.model, features=features, training=self.is_training
-        )
-        return self.model.classifier(features) if logits is None else logits
+        with self._precision():
+            features = self._features()
+            self.mb_features = features
+            logits = self.run.hook.fedaval_classify(
+                run=self.run, client=self.client, model=self.model, features=features, training=self.is_training
+            )
+            return self.model.classifier(features) if logits is None else logits
+
+    def _precision(self):
+        """``--precision``'s autocast while a client trains (:func:`fedaval.training.autocast`); none otherwise."""
+        from contextlib import nullcontext
+
+        if self.client is None or not self.is_training:
+            return nullcontext()
+        from fedaval.training import autocast
+
+        return autocast(self.run.config, self.device)
 
     def _features(self) -> torch.Tensor:
         """``model.features`` of the minibatch; through a CUDA graph with ``--cuda-graphs``."""
@@ -232,9 +243,10 @@ class FederatedStrategy(SupervisedTemplate):
 
     def criterion(self):
         if self.is_training and self.client is not None:
-            return self.run.hook.fedaval_client_criterion(
-                run=self.run, client=self.client, logits=self.mb_output, y=self.mb_y
-            )
+            with self._precision():
+                return self.run.hook.fedaval_client_criterion(
+                    run=self.run, client=self.client, logits=self.mb_output, y=self.mb_y
+                )
         return super().criterion()
 
     def make_train_dataloader(self, **kwargs):

@@ -28,6 +28,18 @@ learning rate) or once per minibatch (augmentation).
   ``lr (lr_min / lr)^((r - 1) / (R - 1))`` (PFCL decays 0.01 towards 1e-4
   over training). Both decays start at ``lr`` in round 1 and reach
   ``lr_min`` (``--lr-min``) in the last round.
+* **Precision** (``--precision``). ``fp32`` (default). ``bf16``: each
+  client's training forward (features, the ``fedaval_classify`` hook, the
+  classifier) and its base loss run under ``torch.autocast`` to bfloat16
+  (:func:`autocast`): matrix products and convolutions in bfloat16, the
+  operations autocast keeps in float32 (the cross-entropy, normalisations)
+  in float32, the weights, their gradients and the optimizer in float32. No
+  loss scaling (bfloat16 has float32's range). A method's loss terms
+  (``fedaval_client_loss``) get the step's bfloat16 features and logits and
+  run outside autocast. Evaluation, the server and every method's own
+  computations outside a training step (prototypes, fits) stay float32, so
+  the printed accuracies are of the float32 model. Results are not the
+  ``fp32`` run's: an opt-in speed setting (docs/performance.md, item 3).
 * **Augmentation** (``--augment``). ``standard``: the CIFAR recipe the papers
   train with, a random crop with 4-pixel zero padding (black, before
   normalisation) and a random horizontal flip, drawn per sample; done on the
@@ -63,6 +75,28 @@ def make_optimizer(params, config: RunConfig) -> torch.optim.Optimizer:
     if config.optimizer == "adam":
         return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+
+
+def autocast(config: RunConfig, device: torch.device):
+    """``--precision``'s context for a training forward or loss: autocast to
+    bfloat16 with ``bf16``, nothing with ``fp32``. Autocast's weight cache is
+    off, as CUDA graphs require (``--cuda-graphs``) and as a step that casts
+    each weight once needs no cache for."""
+    from contextlib import nullcontext
+
+    if config.precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
+
+
+def check_precision(config: RunConfig, device: torch.device) -> None:
+    """``--precision bf16`` needs a device that computes in bfloat16: a one-line error on a GPU without it."""
+    if config.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        from fedaval.errors import FedavalUsageError
+
+        raise FedavalUsageError(
+            f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16 support; use --precision fp32"
+        )
 
 
 def require_sgd(config: RunConfig, method: str, why: str) -> None:

@@ -361,8 +361,9 @@ def with_and_without_step_graphs(tiny_config, tmp_path, settings) -> dict[bool, 
         dict(momentum=0.9, lr_schedule="cosine", lr_min=1e-3),  # a new learning rate each round: captured anew
         dict(momentum=0.0),
         dict(momentum=0.9, offload_clients="cpu"),  # a client's strategy pickled between rounds: captured anew
+        dict(momentum=0.9, precision="bf16"),  # the captured forward and loss under autocast
     ],
-    ids=["reset", "keep", "cosine", "no-momentum", "offloaded"],
+    ids=["reset", "keep", "cosine", "no-momentum", "offloaded", "bf16"],
 )
 def test_a_run_through_stand_in_step_graphs_gives_the_same_results(tiny_config, tmp_path, stand_in_step_graphs, extra):
     """The strategy's loop with the whole step replayed (callbacks after the
@@ -494,7 +495,8 @@ def test_the_step_scope_with_adam_is_refused(tiny_config, stand_in_step_graphs):
 
 @pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (FEDAVAL_TEST_DEVICE=cuda)")
 @pytest.mark.parametrize("model", ["auto", "cnn"])
-def test_on_a_gpu_the_step_graphs_change_no_result(tiny_config, tmp_path, monkeypatch, model):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_a_gpu_the_step_graphs_change_no_result(tiny_config, tmp_path, monkeypatch, model, precision):
     """As the features' test above, with the whole step captured and SGD with momentum (the momentum buffers
     updated by the graph, zeroed at each round's start)."""
     from fedaval.cuda_graphs import GraphedStep
@@ -506,7 +508,7 @@ def test_on_a_gpu_the_step_graphs_change_no_result(tiny_config, tmp_path, monkey
     )
 
     settings = dict(model=model, scenario_options={"clients": 3, "tasks": 2}, clients_per_round=2, momentum=0.9)
-    settings.update(offload_clients="cpu", rounds_per_task=3)
+    settings.update(offload_clients="cpu", rounds_per_task=3, precision=precision)
     results = with_and_without_step_graphs(tiny_config, tmp_path, settings)
     assert results[True] == results[False]
     assert len(captures) >= 3 and any(shape[0] == 32 for shape in captures)

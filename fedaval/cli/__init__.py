@@ -204,6 +204,13 @@ def cli() -> None:
     "as without (fedaval/cuda_graphs.py).",
 )
 @click.option(
+    "--precision",
+    default="fp32",
+    show_default=True,
+    help="Local training's forward and loss: fp32, or bf16 (autocast to bfloat16: faster on GPUs with "
+    "bf16 tensor cores, results not the fp32 ones; evaluation stays fp32; fedaval/training.py).",
+)
+@click.option(
     "--cuda-graph-scope",
     default="features",
     show_default=True,
