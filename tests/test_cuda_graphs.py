@@ -508,7 +508,19 @@ def test_on_a_gpu_the_step_graphs_change_no_result(tiny_config, tmp_path, monkey
     )
 
     settings = dict(model=model, scenario_options={"clients": 3, "tasks": 2}, clients_per_round=2, momentum=0.9)
-    settings.update(offload_clients="cpu", rounds_per_task=3, precision=precision)
+    settings.update(offload_clients="cpu", rounds_per_task=3, precision=precision, keep_checkpoints=100)
     results = with_and_without_step_graphs(tiny_config, tmp_path, settings)
     assert results[True] == results[False]
     assert len(captures) >= 3 and any(shape[0] == 32 for shape in captures)
+
+    # and a checkpoint taken mid-task on the GPU resumes there to the same results (item 1 for this scope)
+    from fedaval import checkpoint
+    from fedaval.build import build_run
+    from fedaval.coordinator import train
+
+    config = tiny_config(out=str(tmp_path / "True"), cuda_graphs=True, cuda_graph_scope="step", **settings)
+    run = build_run(config, out_dir=tmp_path / "resumed")
+    resumed = strip_timing(train(run, results=checkpoint.restore(run, checkpoint.path_for(tmp_path / "True", 2))))
+    for option in ("cuda_graphs", "cuda_graph_scope"):
+        resumed["config"].pop(option)
+    assert resumed == results[True]
