@@ -15,7 +15,8 @@
 #   graph-tests.txt tests/test_cuda_graphs.py's GPU tests: --cuda-graphs changes no result, for both scopes
 #   throughput.txt    benchmarks/round_throughput.py --device cuda --cuda-graphs all (item 3: ratio to
 #                     the batch-320 limit, without --cuda-graphs, with it, with --cuda-graph-scope step)
-#   throughput-bf16.txt  the same with the step graphed and --precision bf16 (--full-scale, BF16_S)
+#   throughput-bf16.txt  the same with the step graphed and --precision bf16, then also --channels-last
+#                     (--full-scale, BF16_S)
 #   phase A, correctness, side by side (no timing in it):
 #     tests-cuda.txt  the suite (all but Ray) with its runs on the GPU (FEDAVAL_TEST_DEVICE=cuda,
 #                     deterministic algorithms), pytest-xdist workers
@@ -160,9 +161,11 @@ if [ "${1:-}" = "--full-scale" ]; then
         [ "${GRAPH_TESTS_S:-90}" = 0 ] || graph_tests "${GRAPH_TESTS_S:-90}"
         # benchmarks/cifar_data.py makes its subset from $DATA_ROOT when it is /tmp/cifar10-full
         [ "${THROUGHPUT_S:-60}" = 0 ] || throughput "${THROUGHPUT_S:-60}"
-        # the step graphed with --precision bf16 (BF16_S, off by default): fedaval's fastest setting for item 3
-        [ "${BF16_S:-0}" = 0 ] || step "$BF16_S" throughput-bf16.txt python3 benchmarks/round_throughput.py --device cuda \
-            --cuda-graphs step --precision bf16
+        # the step graphed with --precision bf16, then with --channels-last too (BF16_S, off by default): fedaval's
+        # fastest settings for item 3
+        [ "${BF16_S:-0}" = 0 ] || step "$BF16_S" throughput-bf16.txt sh -c 'set -e
+            python3 benchmarks/round_throughput.py --device cuda --cuda-graphs step --precision bf16
+            python3 benchmarks/round_throughput.py --device cuda --cuda-graphs step --precision bf16 --channels-last'
         # what each technique could reach at best: graphs, a wait per client, graphed loops in 2 and 4 processes,
         # 10 models as one vmapped step (CEILINGS_S, off by default; CEILINGS_ARGS, gpu_ceilings.py's options)
         # shellcheck disable=SC2086  # CEILINGS_ARGS: gpu_ceilings.py's options, split as a shell would

@@ -167,6 +167,7 @@ def fedaval_config(args, root: str, out: Path, graphs: str | None, clients: int)
             cuda_graphs=graphs is not None,
             cuda_graph_scope=graphs or "features",
             precision=args.precision,
+            channels_last=args.channels_last,
             seed=0,
             out=str(out),
         )
@@ -291,6 +292,11 @@ def main(argv=None) -> int:
         help="fedaval's --precision (the limit loop stays fp32: what the hardware does for this model as it is)",
     )
     parser.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="fedaval's --channels-last (the limit loop stays in the default order)",
+    )
+    parser.add_argument(
         "--processes",
         type=int,
         default=1,
@@ -344,6 +350,7 @@ def main(argv=None) -> int:
             "fedaval"
             + {None: "", "features": " --cuda-graphs", "step": " --cuda-graphs --cuda-graph-scope step"}[graphs]
             + ("" if args.precision == "fp32" else f" --precision {args.precision}")
+            + (" --channels-last" if args.channels_last else "")
         )
         if args.processes > 1:
             label += f" in {args.processes} processes"

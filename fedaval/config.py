@@ -70,6 +70,7 @@ class RunConfig:
     cuda_graphs: bool = False
     cuda_graph_scope: str = "features"
     precision: str = "fp32"
+    channels_last: bool = False
     eval_every: int = 1
     utility_lambda: float = 0.5
     link_mbps: float = 100.0

@@ -131,7 +131,12 @@ class Run:
         """Client ``client_id``'s model (``None``: the server's), from ``fedaval_make_model``, split."""
         from fedaval.models import split_model
 
-        return split_model(self.hook.fedaval_make_model(run=self, client_id=client_id))
+        model = split_model(self.hook.fedaval_make_model(run=self, client_id=client_id))
+        if self.config.channels_last:  # --channels-last (fedaval.training): the 4-D weights; .to(device) keeps it
+            import torch
+
+            model = model.to(memory_format=torch.channels_last)
+        return model
 
     def federation_task_classes(self) -> list[list[int]]:
         """Classes taught at each stage by any client (a copy: callers may

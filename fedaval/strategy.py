@@ -240,6 +240,8 @@ class FederatedStrategy(SupervisedTemplate):
             from fedaval.training import standard_augment
 
             self.mbatch[0] = standard_augment(self.mbatch[0], self.run.black)
+        if self.is_training and self.client is not None and self.run.config.channels_last and self.mb_x.dim() == 4:
+            self.mbatch[0] = self.mbatch[0].contiguous(memory_format=torch.channels_last)  # --channels-last
 
     def criterion(self):
         if self.is_training and self.client is not None:

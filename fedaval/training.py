@@ -40,6 +40,15 @@ learning rate) or once per minibatch (augmentation).
   computations outside a training step (prototypes, fits) stay float32, so
   the printed accuracies are of the float32 model. Results are not the
   ``fp32`` run's: an opt-in speed setting (docs/performance.md, item 3).
+* **Memory order** (``--channels-last``). Every model fedaval makes
+  (``Run.model``: the clients', the server's, a method's extra copies) keeps
+  its 4-D weights in channels-last order, and each client's training
+  minibatches are made channels-last after augmentation. Convolutions then
+  take cuDNN's NHWC kernels, faster with tensor cores (with ``--precision
+  bf16`` above all); on the CPU they run too. The arithmetic is the same
+  but the kernels sum in another order, so results are not bit for bit the
+  default's. Evaluation's minibatches stay as they are built (cuDNN converts
+  them).
 * **Augmentation** (``--augment``). ``standard``: the CIFAR recipe the papers
   train with, a random crop with 4-pixel zero padding (black, before
   normalisation) and a random horizontal flip, drawn per sample; done on the

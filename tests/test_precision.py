@@ -57,3 +57,70 @@ def test_bad_precision_is_a_one_line_error(tmp_path):
     line = one_line_error(["train", "--precision", "fp16", "--out", str(tmp_path / "run")])
     assert line == "fedaval: error: bad value --precision fp16; must be one of fp32, bf16"
     assert not (tmp_path / "run").exists()
+
+
+class Layouts:
+    """Records whether a step's minibatch and the client's convolution weights are channels-last."""
+
+    name = "layouts"
+
+    def __init__(self):
+        self.inputs: set[bool] = set()
+        self.weights: set[bool] = set()
+
+    @hookimpl
+    def fedaval_client_loss(self, run, client, batch):
+        self.inputs.add(batch.x.is_contiguous(memory_format=torch.channels_last))
+        self.weights.update(
+            p.is_contiguous(memory_format=torch.channels_last) for p in client.model.parameters() if p.dim() == 4
+        )
+        return {}
+
+
+def test_channels_last_keeps_weights_and_minibatches_channels_last(tiny_config, tmp_path, cifar10_root):
+    """--channels-last: the convolutions' weights and the training minibatches in NHWC order (CIFAR-10's
+    3 channels: with one, both orders are the same); the same maths in another order, so the model
+    learns as in the default order."""
+    from fedaval.api import run_training
+
+    default, nhwc = Layouts(), Layouts()
+    results = {}
+    for channels_last, probe in ((False, default), (True, nhwc)):
+        config = tiny_config(
+            out=str(tmp_path / str(channels_last)),
+            dataset="imagefolder",
+            data_root=str(cifar10_root),
+            model="cnn",
+            channels_last=channels_last,
+        )
+        results[channels_last] = strip_timing(run_training(config, extra_plugins=[probe]))
+    assert nhwc.weights == {True} and False in default.weights  # a 1x1 or one-channel weight is both
+    assert nhwc.inputs == {True} and default.inputs == {False}
+    accuracy = {k: r["final"]["accuracy"] for k, r in results.items()}
+    assert accuracy[True] == pytest.approx(accuracy[False], abs=0.1)
+
+
+def test_a_channels_last_run_resumes_to_the_whole_runs_results(tiny_config, tmp_path, cifar10_root):
+    """Checkpoints keep the weights' and momentum buffers' NHWC strides: resumed from any round, the
+    run ends as the whole run."""
+    from fedaval import checkpoint
+    from fedaval.api import run_training
+    from fedaval.build import build_run
+    from fedaval.coordinator import train
+
+    config = tiny_config(
+        out=str(tmp_path / "whole"),
+        dataset="imagefolder",
+        data_root=str(cifar10_root),
+        model="cnn",
+        channels_last=True,
+        momentum=0.9,
+        keep_checkpoints=100,
+    )
+    whole = strip_timing(run_training(config))
+    for round in (1, 3):
+        run = build_run(config, out_dir=tmp_path / f"resumed{round}")
+        weights = [p for p in run.clients[0].model.parameters() if p.dim() == 4]
+        assert weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
+        results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", round))
+        assert strip_timing(train(run, results=results)) == whole
