@@ -66,8 +66,9 @@ implements ``fedaval_classify``, ``fedaval_client_criterion`` or
 callback between a step's start and its update (unless its class sets
 ``fedaval_reads_inside_steps``), and with ``--optimizer adam``. Tested on the
 CPU through a stand-in capture (the same results as without graphs, for
-momentum kept or reset, a learning-rate schedule and plain SGD); not yet run
-on a GPU.
+momentum kept or reset, a learning-rate schedule, plain SGD, offloaded
+clients, ``--precision bf16`` and ``--channels-last``, and resumed from a
+checkpoint); not yet run on a GPU.
 """
 
 from __future__ import annotations
