@@ -25,6 +25,7 @@ rounds, and a client trains once per round. Avalanche has no notion of
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -154,9 +155,7 @@ class FederatedStrategy(SupervisedTemplate):
 
     def _precision(self):
         """``--precision``'s autocast while a client trains (:func:`fedaval.training.autocast`); none otherwise."""
-        from contextlib import nullcontext
-
-        if self.client is None or not self.is_training:
+        if self.client is None or not self.is_training or self.run.config.precision == "fp32":
             return nullcontext()
         from fedaval.training import autocast
 
