@@ -26,25 +26,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from round_throughput import sync  # noqa: E402 - this folder
-
-
-class CountOps(TorchDispatchMode):
-    """Counts the ATen operations dispatched inside it (on a GPU, about one kernel launch each)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
+from op_count import OpCount  # noqa: E402 - this folder
+from round_throughput import sync  # noqa: E402
 
 
 def plugins(model: torch.nn.Module, experiences: int):
@@ -99,10 +87,10 @@ def main(argv=None) -> int:
     values, grads, ops = [], [], []
     for plugin in pair:
         penalty_step(plugin, model, args.experiences, device)  # warm-up
-        with CountOps() as counter:
+        with OpCount() as counter:
             values.append(penalty_step(plugin, model, args.experiences, device))
         grads.append([p.grad.detach().clone() for p in model.parameters()])
-        ops.append(counter.ops)
+        ops.append(counter.total())
     seconds: list[list[float]] = [[], []]
     for _ in range(args.repeats):
         for i, plugin in enumerate(pair):

@@ -211,11 +211,9 @@ def plain_loop(args, device: torch.device):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
     images, labels = data.train_x.to(device), data.train_y.to(device)
-    if (
-        args.cuda_graphs and args.cuda_graph_scope == "features"
-    ):  # as GraphedFeatures: the backbone, forward and backward
-        sample = images[: args.batch_size].clone()
-        model.features = torch.cuda.make_graphed_callables(model.features, (sample,))
+    batch = images[: args.batch_size].clone(), labels[: args.batch_size].clone()  # a graph's static inputs
+    if args.cuda_graphs and args.cuda_graph_scope == "features":  # as GraphedFeatures: the backbone's passes
+        model.features = torch.cuda.make_graphed_callables(model.features, (batch[0],))
 
     def eager_step(x: torch.Tensor, y: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -224,16 +222,14 @@ def plain_loop(args, device: torch.device):
 
     step = eager_step
     if args.null_graphs:  # the whole step a replay that does nothing: the batch's copy into its static tensors
-        static_x, static_y = images[: args.batch_size].clone(), labels[: args.batch_size].clone()
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            static_x.copy_(x)
-            static_y.copy_(y)
+            batch[0].copy_(x)
+            batch[1].copy_(y)
 
     if args.cuda_graphs and args.cuda_graph_scope == "step":  # as GraphedStep: the whole step, one graph
         from gpu_ceilings import whole_step_graph
 
-        batch = images[: args.batch_size].clone(), labels[: args.batch_size].clone()
         step = whole_step_graph(device, eager_step, *batch, warmup=3)
 
     def steps(n: int) -> None:

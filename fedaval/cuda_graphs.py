@@ -272,19 +272,15 @@ def check_scope(config, run) -> None:
 
 def check_step_plugins(config, strategy) -> None:
     """With ``--cuda-graph-scope step``, a client's Avalanche plugins must
-    leave its steps alone (:func:`_check_avalanche_plugins`): checked as the
-    run is built."""
-    if config.cuda_graphs and config.cuda_graph_scope == "step":
-        _check_avalanche_plugins(strategy)
-
-
-def _check_avalanche_plugins(strategy) -> None:
-    """A captured step runs Avalanche's callbacks between a step's start and
-    its update after the replay, in their order: right for plugins that only
-    read there (Avalanche's evaluator and its metrics, and any plugin whose
-    class sets ``fedaval_reads_inside_steps = True``, as fedaval's
-    ``HookBridge`` does); another plugin that overrides one of them may
-    change the step, so it is refused."""
+    leave its steps alone, checked as the run is built. A captured step runs
+    Avalanche's callbacks between a step's start and its update after the
+    replay, in their order: right for plugins that only read there
+    (Avalanche's evaluator and its metrics, and any plugin whose class sets
+    ``fedaval_reads_inside_steps = True``, as fedaval's ``HookBridge`` does);
+    another plugin that overrides one of them may change the step, so it is
+    refused."""
+    if not (config.cuda_graphs and config.cuda_graph_scope == "step"):
+        return
     from avalanche.core import BaseSGDPlugin
     from avalanche.training.plugins import EvaluationPlugin
 
@@ -354,7 +350,7 @@ class GraphedStep:
     instead of dropping them."""
 
     def __init__(self, strategy, capture: Callable = cuda_capture):
-        _check_avalanche_plugins(strategy)  # the strategy is not kept: it holds this object
+        # the strategy is not kept (it holds this object); its plugins were checked as the run was built
         self._capture_step = capture  # tests pass a stand-in that runs on the CPU
         self._graphs: dict[tuple, _StepGraph] = {}
         self._key: tuple | None = None
@@ -368,10 +364,8 @@ class GraphedStep:
         updated; returns the step's features, logits and loss (the loss
         before the update, of shape ``[1]`` as Avalanche's), each the
         caller's own copy, detached (the step's backward is done)."""
-        key = self._signature(strategy)
-        if key != self._key:
+        if self._signature(strategy) != self._key:
             self._graphs.clear()
-            self._key = None
         shape = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)
         graph = self._graphs.get(shape)
         if graph is None:

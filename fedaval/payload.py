@@ -60,9 +60,10 @@ def copy_into(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -
 
 def copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """A detached copy of each tensor (``tensor.detach().clone()``), made by
-    :func:`copy_into` into fresh tensors of the same shape and layout."""
+    :func:`copy_into` (under ``no_grad``) into fresh tensors of the same
+    shape and layout."""
     fresh = [torch.empty_like(t, memory_format=torch.preserve_format) for t in tensors]
-    copy_into(fresh, [t.detach() for t in tensors])
+    copy_into(fresh, tensors)
     return fresh
 
 

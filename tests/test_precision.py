@@ -124,3 +124,20 @@ def test_a_channels_last_run_resumes_to_the_whole_runs_results(tiny_config, tmp_
         assert weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
         results = checkpoint.restore(run, checkpoint.path_for(tmp_path / "whole", round))
         assert strip_timing(train(run, results=results)) == whole
+
+
+def test_bf16_on_a_gpu_without_bfloat16_is_a_one_line_error(monkeypatch):
+    """A GPU that cannot compute in bfloat16 refuses --precision bf16 before any training (stood in here:
+    the check asks torch whether the device has bfloat16)."""
+    from fedaval.config import RunConfig
+    from fedaval.errors import FedavalUsageError
+    from fedaval.training import check_precision
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    gpu = torch.device("cuda")
+    with pytest.raises(FedavalUsageError) as error:
+        check_precision(RunConfig(precision="bf16"), gpu)
+    assert str(error.value) == "--precision bf16: Tesla V100 has no bfloat16 support; use --precision fp32"
+    check_precision(RunConfig(precision="fp32"), gpu)  # fp32 asks nothing
+    check_precision(RunConfig(precision="bf16"), torch.device("cpu"))  # the CPU computes in bfloat16
