@@ -218,7 +218,7 @@ def test_fedewc_penalty_is_avalanches_in_batched_operations(mode, monkeypatch):
     import torch
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from ewc_penalty import CountOps  # benchmarks/ewc_penalty.py counts them the same way
+    from op_count import OpCount  # benchmarks/ewc_penalty.py counts them the same way
 
     model, plugins = ewc_pair(mode)
     values, grads, ops = [], [], []
@@ -228,12 +228,12 @@ def test_fedewc_penalty_is_avalanches_in_batched_operations(mode, monkeypatch):
             strategy = SimpleNamespace(
                 clock=SimpleNamespace(train_exp_counter=2), model=model, device=torch.device("cpu"), loss=0.0
             )
-            with CountOps() as counter:
+            with OpCount() as counter:
                 plugin.before_backward(strategy)
                 strategy.loss.backward()
         values.append(strategy.loss.item())
         grads.append([p.grad.clone() for p in model.parameters()])
-        ops.append(counter.ops)
+        ops.append(counter.total())
     assert values[0] > 0
     assert values[1] == pytest.approx(
         values[0], rel=1e-6
