@@ -28,7 +28,7 @@ from fedaval.plugin_manager import get_plugin_manager, load_plugins
 from fedaval.run import Run
 from fedaval.scenarios.partition import Partition
 from fedaval.server import Server
-from fedaval.training import black, check_precision, resolve_augment
+from fedaval.training import black, check_compile, check_precision, resolve_augment
 
 
 def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Path | None = None) -> Run:
@@ -42,6 +42,7 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
     run.device = resolve_device(config.device)
     cuda_graphs.check_device(config.cuda_graphs, config.device, run.device)
     check_precision(config, run.device)
+    check_compile(config, run.device)
     use_deterministic_algorithms(config.deterministic)
     host_memory.apply(config.host_memory)
     run.pm = get_plugin_manager()

@@ -21,6 +21,7 @@ LR_SCHEDULES = ("constant", "cosine", "exp")
 AUGMENTS = ("auto", "none", "standard")
 CUDA_GRAPH_SCOPES = ("features", "step")  # what --cuda-graphs captures (fedaval.cuda_graphs)
 PRECISIONS = ("fp32", "bf16")  # local training's forward and loss (fedaval.training.autocast)
+COMPILE_BACKENDS = ("off", "inductor", "aot_eager")  # --compile (fedaval.training.compiled_features)
 
 TRAINING_DEFAULTS: dict[str, dict[str, Any]] = {
     # digits (8x8, the MLP), measured, not guessed: lr 0.01 x 1 epoch left FedAvg
@@ -71,6 +72,7 @@ class RunConfig:
     cuda_graph_scope: str = "features"
     precision: str = "fp32"
     channels_last: bool = False
+    compile: str = "off"
     eval_every: int = 1
     utility_lambda: float = 0.5
     link_mbps: float = 100.0
@@ -176,6 +178,7 @@ class RunConfig:
             ("--lr-schedule", self.lr_schedule, self.lr_schedule in LR_SCHEDULES, "one of " + ", ".join(LR_SCHEDULES)),
             ("--augment", self.augment, self.augment in AUGMENTS, "one of " + ", ".join(AUGMENTS)),
             ("--precision", self.precision, self.precision in PRECISIONS, "one of " + ", ".join(PRECISIONS)),
+            ("--compile", self.compile, self.compile in COMPILE_BACKENDS, "one of " + ", ".join(COMPILE_BACKENDS)),
             (
                 "--cuda-graph-scope",
                 self.cuda_graph_scope,

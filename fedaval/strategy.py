@@ -162,14 +162,17 @@ class FederatedStrategy(SupervisedTemplate):
         return autocast(self.run.config, self.device)
 
     def _features(self) -> torch.Tensor:
-        """``model.features`` of the minibatch; through a CUDA graph with ``--cuda-graphs``."""
+        """``model.features`` of the minibatch; while a client trains, through
+        ``torch.compile`` with ``--compile`` or a CUDA graph with ``--cuda-graphs``
+        (the features scope; the step scope captures this call in its step)."""
         config = self.run.config
-        if (
-            self.client is None
-            or not config.cuda_graphs
-            or config.cuda_graph_scope != "features"
-            or not self.is_training
-        ):
+        if self.client is None or not self.is_training:
+            return self.model.features(self.mb_x)
+        if config.compile != "off":
+            from fedaval.training import compiled_backbone
+
+            return compiled_backbone(config, self.model.features, self.mb_x)
+        if not config.cuda_graphs or config.cuda_graph_scope != "features":
             return self.model.features(self.mb_x)
         graphed = getattr(self, "_graphed", None)  # a strategy pickled before the option has none
         if graphed is None or graphed.module is not self.model.features:

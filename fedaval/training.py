@@ -49,6 +49,26 @@ learning rate) or once per minibatch (augmentation).
   but the kernels sum in another order, so results are not bit for bit the
   default's. Evaluation's minibatches stay as they are built (cuDNN converts
   them).
+* **Compilation** (``--compile``). ``off`` (default). ``inductor``: each
+  client's training forward of ``model.features`` (the backbone, where nearly
+  all of a step's work is) goes through ``torch.compile`` with PyTorch's
+  code-generating backend (:func:`compiled_features`): elementwise operations
+  fused into fewer kernels (Triton's on a GPU, C++ on the CPU), the backward
+  made ahead of time. One compiled function serves every client (the
+  module is an argument, its tensors the graph's inputs), compiled again
+  when what it was compiled for changes: the training mode, grad mode,
+  autocast, a parameter's ``requires_grad``, the batch's shape (after a
+  second size, one graph for all sizes). ``aot_eager``: the same capture
+  and ahead-of-time backward, run by ATen's eager kernels without code
+  generation (for checking: its results are the eager ones). The
+  classifier, the methods' loss terms and hooks, the optimizer, evaluation
+  and every call a method makes to ``model.features`` itself run eagerly.
+  A backbone that does not compile as one graph is an error, never a
+  silent fallback to eager, and so is running out of recompilations.
+  Generated kernels sum in other orders, so ``inductor``'s results are not
+  bit for bit the eager ones; with ``--cuda-graphs`` it needs
+  ``--cuda-graph-scope step`` (the compiled backbone runs inside the
+  captured step). An opt-in speed setting (docs/performance.md, item 3).
 * **Augmentation** (``--augment``). ``standard``: the CIFAR recipe the papers
   train with, a random crop with 4-pixel zero padding (black, before
   normalisation) and a random horizontal flip, drawn per sample; done on the
@@ -64,6 +84,7 @@ learning rate) or once per minibatch (augmentation).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -76,6 +97,7 @@ if TYPE_CHECKING:
 AUGMENTED_DATASETS = ("cifar10", "cifar100", "tiny-imagenet")
 SMALL_IMAGE = 64
 PADDING = 4
+COMPILE_RECOMPILES = 64  # compiled_features' recompilation limit (dynamo's default: 8)
 
 
 def make_optimizer(params, config: RunConfig) -> torch.optim.Optimizer:
@@ -106,6 +128,77 @@ def check_precision(config: RunConfig, device: torch.device) -> None:
         raise FedavalUsageError(
             f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16 support; use --precision fp32"
         )
+
+
+def _backbone_call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+@functools.cache
+def compiled_features(backend: str):
+    """``--compile``'s function ``(module, x) -> module(x)``, compiled once
+    per process and backend and shared by every client: the module is an
+    argument, so dynamo lifts its parameters and buffers as the graph's
+    inputs and guards on its structure, not on which client's module it is.
+
+    ``fullgraph``: a graph break is an error. The recompilation limit is
+    raised to 64 (the variants a run meets: training and frozen backbones,
+    grad modes, autocast, batch shapes) and hitting it is an error: past it
+    dynamo would run the backbone eagerly without saying so."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILE_RECOMPILES)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    return torch.compile(_backbone_call, backend=backend, fullgraph=True)
+
+
+def compiled_backbone(config: RunConfig, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` through :func:`compiled_features`; a backbone that does
+    not compile as one graph, or one that used up its recompilations, is a
+    one-line error naming the backbone."""
+    import torch._dynamo
+    import torch._dynamo.exc as dynamo
+
+    from fedaval.errors import FedavalUsageError
+
+    try:
+        return compiled_features(config.compile)(module, x)
+    except dynamo.FailOnRecompileLimitHit:
+        raise FedavalUsageError(
+            f"--compile {config.compile}: {type(module).__name__} was compiled "
+            f"{torch._dynamo.config.recompile_limit} times "
+            "(each new batch shape, mode or requires_grad needs one) and would run eagerly from here; "
+            "use --compile off"
+        ) from None
+    except dynamo.Unsupported as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FedavalUsageError(
+            f"--compile {config.compile}: {type(module).__name__} does not compile as one graph ({reason}); "
+            "use --compile off"
+        ) from None
+
+
+def check_compile(config: RunConfig, device: torch.device) -> None:
+    """``--compile``'s needs, one-line errors: with ``--cuda-graphs`` only
+    the step scope (a backbone graphed alone is captured by
+    ``make_graphed_callables``, which takes the module, not a compiled
+    function), and ``inductor`` on a GPU needs Triton."""
+    from fedaval.errors import FedavalUsageError
+
+    if config.compile == "off":
+        return
+    if config.cuda_graphs and config.cuda_graph_scope != "step":
+        raise FedavalUsageError(
+            f"--compile {config.compile} with --cuda-graphs needs --cuda-graph-scope step "
+            f"(not {config.cuda_graph_scope}): the compiled backbone runs inside the captured step"
+        )
+    if config.compile == "inductor" and device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise FedavalUsageError(
+                "--compile inductor on a GPU needs Triton, which this Python does not have; use --compile off"
+            )
 
 
 def require_sgd(config: RunConfig, method: str, why: str) -> None:

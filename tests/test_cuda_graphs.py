@@ -367,8 +367,9 @@ def with_and_without_step_graphs(tiny_config, tmp_path, settings) -> dict[bool, 
         dict(momentum=0.9, precision="bf16"),  # the captured forward and loss under autocast
         # CIFAR-10's 3 channels in NHWC order, the static batch too, in bfloat16
         dict(momentum=0.9, precision="bf16", channels_last=True, dataset="imagefolder", data_root=str(CIFAR10)),
+        dict(momentum=0.9, model="cnn", compile="aot_eager"),  # the compiled backbone inside the captured step
     ],
-    ids=["reset", "keep", "cosine", "no-momentum", "offloaded", "bf16", "nhwc-bf16"],
+    ids=["reset", "keep", "cosine", "no-momentum", "offloaded", "bf16", "nhwc-bf16", "compiled"],
 )
 def test_a_run_through_stand_in_step_graphs_gives_the_same_results(tiny_config, tmp_path, stand_in_step_graphs, extra):
     """The strategy's loop with the whole step replayed (callbacks after the
@@ -496,6 +497,16 @@ def test_the_step_scope_with_adam_is_refused(tiny_config, stand_in_step_graphs):
 
     with pytest.raises(FedavalUsageError, match="^--cuda-graph-scope step needs --optimizer sgd, not adam"):
         build_run(tiny_config(cuda_graphs=True, cuda_graph_scope="step", optimizer="adam", momentum=0.0))
+
+
+@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (FEDAVAL_TEST_DEVICE=cuda)")
+def test_on_a_gpu_the_step_graphs_of_a_compiled_backbone_change_no_result(tiny_config, tmp_path):
+    """--compile inductor inside the captured step: Triton's kernels captured with the rest of the step
+    give what they give replayed one by one."""
+    settings = dict(model="cnn", scenario_options={"clients": 3, "tasks": 2}, clients_per_round=2, momentum=0.9)
+    settings.update(rounds_per_task=2, compile="inductor")
+    results = with_and_without_step_graphs(tiny_config, tmp_path, settings)
+    assert results[True] == results[False]
 
 
 @pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (FEDAVAL_TEST_DEVICE=cuda)")

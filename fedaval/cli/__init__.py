@@ -217,6 +217,14 @@ def cli() -> None:
     "convolutions on GPUs with tensor cores; results not bit for bit the default's (fedaval/training.py).",
 )
 @click.option(
+    "--compile",
+    default="off",
+    show_default=True,
+    help="torch.compile each client's training forward of the backbone: off, inductor (fused generated "
+    "kernels; results not bit for bit the eager ones; with --cuda-graphs only --cuda-graph-scope step) or "
+    "aot_eager (the same capture run by eager kernels, for checking); fedaval/training.py.",
+)
+@click.option(
     "--cuda-graph-scope",
     default="features",
     show_default=True,
