@@ -15,7 +15,15 @@ steps (cuDNN autotuning, the allocator), each against the batch-320 loop:
 * ``batch 32, bf16``: ``torch.autocast(dtype=torch.bfloat16)`` around forward and loss;
 * ``batch 32, channels-last``: model and inputs in ``torch.channels_last``;
 * ``batch 32, CUDA graph``: the whole step (forward, backward, SGD step)
-  captured once and replayed (``torch.cuda.graph``; the GPU only);
+  captured once and replayed (``torch.cuda.graph``; the GPU only); and with
+  the forward and loss in bf16 autocast (the GPU's work per step then bounds
+  it);
+* ``batch 32, torch.compile`` (``--compile BACKEND``, e.g. ``inductor``): the
+  model compiled (``torch.compile``), the loss and SGD step eager; on the GPU
+  also the compiled model's whole step as one CUDA graph, in fp32 and bf16:
+  fused kernels, fewer of them, and less GPU work per step than the graphed
+  eager model's. Compiling costs time (ResNet-18's forward and backward,
+  again for bf16), so these lines are asked for;
 * ``batch 32, model graphed``: only the model's forward and backward
   captured (``torch.cuda.make_graphed_callables``), loss and SGD step eager:
   where a graph fits inside Avalanche's loop (the GPU only);
@@ -84,7 +92,15 @@ def whole_step_graph(device: torch.device, step, static_x: torch.Tensor, static_
 class Loop:
     """One model, its SGD and ``data``'s training images on ``device``."""
 
-    def __init__(self, data, model_name: str, device: torch.device, seed: int = 0, channels_last: bool = False):
+    def __init__(
+        self,
+        data,
+        model_name: str,
+        device: torch.device,
+        seed: int = 0,
+        channels_last: bool = False,
+        compile: str | None = None,
+    ):
         from fedaval.models import build_model
 
         torch.manual_seed(seed)
@@ -93,6 +109,7 @@ class Loop:
         model = build_model(model_name, data.input_shape, data.num_classes).to(device)
         self.model = model.to(memory_format=self.format)
         self.model.train()
+        self.forward = torch.compile(self.model, backend=compile) if compile else self.model
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.loss_fn = torch.nn.CrossEntropyLoss()
         mean = torch.tensor(data.mean, device=device).view(1, -1, 1, 1)
@@ -111,10 +128,10 @@ class Loop:
             yield self.images[index], self.labels[index]
 
     def step(self, x: torch.Tensor, y: torch.Tensor, bf16: bool = False, model=None) -> None:
-        """One SGD step on ``(x, y)``, through ``model`` (default: the model itself)."""
+        """One SGD step on ``(x, y)``, through ``model`` (default: the model, compiled if asked)."""
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = self.loss_fn((model or self.model)(x), y)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+            loss = self.loss_fn((model or self.forward)(x), y)
         loss.backward()
         self.optimizer.step()
 
@@ -134,10 +151,14 @@ class Loop:
         """Samples per second of eager steps."""
         return self.timed(batch, steps, warmup, lambda x, y: self.step(x, y, bf16))
 
-    def graph_rate(self, batch: int, steps: int, warmup: int) -> float:
+    def graph_rate(self, batch: int, steps: int, warmup: int, bf16: bool = False) -> float:
         """Samples per second of a captured whole step, replayed (:func:`whole_step_graph`)."""
         replay = whole_step_graph(
-            self.device, self.step, self.images[:batch].clone(), self.labels[:batch].clone(), warmup
+            self.device,
+            lambda x, y: self.step(x, y, bf16),
+            self.images[:batch].clone(),
+            self.labels[:batch].clone(),
+            warmup,
         )
         return self.timed(batch, steps, warmup, replay)
 
@@ -291,6 +312,13 @@ def main(argv=None) -> int:
         default=10,
         help="N of the line of N models trained as one vmapped step (10: item 3's clients a round; 0: no such line)",
     )
+    parser.add_argument(
+        "--compile",
+        default="",
+        metavar="BACKEND",
+        help="the lines of the model compiled by torch.compile with this backend (inductor: fedaval's "
+        "--compile inductor; aot_eager: no code generated); empty (default): none",
+    )
     parser.add_argument("--train-per-class", type=int, default=500)
     parser.add_argument("--data-root", default=None, help="an image folder (default: the shared CIFAR-10 subset)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
@@ -355,11 +383,28 @@ def main(argv=None) -> int:
                     args.batch, args.steps, args.warmup
                 ),
             )
+        attempt(
+            f"batch {args.batch}, CUDA graph, bf16",
+            lambda: Loop(data, args.model, device).graph_rate(args.batch, args.steps, args.warmup, bf16=True),
+        )
         if args.wait_every:
             attempt(
                 f"batch {args.batch}, model graphed, a wait every {args.wait_every} steps",
                 lambda: Loop(data, args.model, device).graphed_model_rate(
                     args.batch, args.steps, args.warmup, wait_every=args.wait_every
+                ),
+            )
+    if args.compile:
+        compiled = f"batch {args.batch}, torch.compile {args.compile}"
+        attempt(
+            compiled,
+            lambda: Loop(data, args.model, device, compile=args.compile).rate(args.batch, args.steps, args.warmup),
+        )
+        for bf16 in (False, True) if device.type == "cuda" else ():
+            attempt(
+                f"{compiled}, CUDA graph" + (", bf16" if bf16 else ""),
+                lambda bf16=bf16: Loop(data, args.model, device, compile=args.compile).graph_rate(
+                    args.batch, args.steps, args.warmup, bf16=bf16
                 ),
             )
     if args.stacked:

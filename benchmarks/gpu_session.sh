@@ -17,6 +17,8 @@
 #                     the batch-320 limit, without --cuda-graphs, with it, with --cuda-graph-scope step)
 #   throughput-bf16.txt  the same with the step graphed and --precision bf16, then also --channels-last
 #                     (--full-scale, BF16_S)
+#   throughput-compile.txt  the same with --compile inductor, without graphs and with the step graphed
+#                     (--full-scale, COMPILE_S)
 #   phase A, correctness, side by side (no timing in it):
 #     tests-cuda.txt  the suite (all but Ray) with its runs on the GPU (FEDAVAL_TEST_DEVICE=cuda,
 #                     deterministic algorithms), pytest-xdist workers
@@ -166,6 +168,10 @@ if [ "${1:-}" = "--full-scale" ]; then
         [ "${BF16_S:-0}" = 0 ] || step "$BF16_S" throughput-bf16.txt sh -c 'set -e
             python3 benchmarks/round_throughput.py --device cuda --cuda-graphs step --precision bf16
             python3 benchmarks/round_throughput.py --device cuda --cuda-graphs step --precision bf16 --channels-last'
+        # fedaval's rounds with --compile inductor, without graphs and with the step graphed (COMPILE_S, off by
+        # default): the first round pays for the compilations and is not timed
+        [ "${COMPILE_S:-0}" = 0 ] || step "$COMPILE_S" throughput-compile.txt python3 benchmarks/round_throughput.py \
+            --device cuda --cuda-graphs off+step --compile off,inductor
         # what each technique could reach at best: graphs, a wait per client, graphed loops in 2 and 4 processes,
         # 10 models as one vmapped step (CEILINGS_S, off by default; CEILINGS_ARGS, gpu_ceilings.py's options)
         # shellcheck disable=SC2086  # CEILINGS_ARGS: gpu_ceilings.py's options, split as a shell would

@@ -41,8 +41,14 @@ With ``--cuda-graphs on`` (or ``both``: without, then with, in this one
 invocation) fedaval's rounds run with ``--cuda-graphs``
 (:mod:`fedaval.cuda_graphs`), with ``step`` with ``--cuda-graph-scope step``
 as well (the whole step, SGD update included, one graph), and ``all`` runs
-the three; the first round also pays for each client's captures, and is not
-timed.
+the three (``off+step``: without and with the step's); the first round also
+pays for each client's captures, and is not timed.
+
+With ``--compile BACKEND`` (or several, ``off,inductor``: each run in this
+invocation, with each ``--cuda-graphs`` run) fedaval's rounds run with ``--compile`` (each
+client's backbone through ``torch.compile``; with graphs, the step scope
+only); the first round also pays for the compilations (one function for all
+clients, compiled again for the last, smaller batch), and is not timed.
 
 Printed: both rates, their ratio (fedaval / limit; the issue's goal on the
 GPU is at least 0.5), the device and the load average before and after.
@@ -67,6 +73,7 @@ GRAPHS: dict[str, list[str | None]] = {
     "step": ["step"],
     "both": [None, "features"],
     "all": [None, "features", "step"],
+    "off+step": [None, "step"],  # the two --compile allows
 }
 """``--cuda-graphs``' values: the runs made, each without graphs (None) or with this ``--cuda-graph-scope``."""
 
@@ -168,6 +175,7 @@ def fedaval_config(args, root: str, out: Path, graphs: str | None, clients: int)
             cuda_graph_scope=graphs or "features",
             precision=args.precision,
             channels_last=args.channels_last,
+            compile=args.compile,
             seed=0,
             out=str(out),
         )
@@ -297,6 +305,13 @@ def main(argv=None) -> int:
         help="fedaval's --channels-last (the limit loop stays in the default order)",
     )
     parser.add_argument(
+        "--compile",
+        default="off",
+        help="fedaval's --compile (off, inductor, aot_eager; with --cuda-graphs only step or off+step), or "
+        "several comma-separated, each run in this invocation (off,inductor: before and after); the limit "
+        "loop stays eager",
+    )
+    parser.add_argument(
         "--processes",
         type=int,
         default=1,
@@ -322,6 +337,9 @@ def main(argv=None) -> int:
         parser.error(f"--processes {args.processes} must divide --clients {args.clients} and --train-per-class")
     if args.processes > 1 and (args.profile or args.data_root is not None):
         parser.error("--processes takes neither --profile nor --data-root (each process makes its own subset)")
+    compiles = args.compile.split(",")
+    if compiles != ["off"] and "features" in GRAPHS[args.cuda_graphs]:
+        parser.error(f"--compile {args.compile} takes --cuda-graphs off, step or off+step, not {args.cuda_graphs}")
     if args.cuda_graphs != "off" and device.type != "cuda":
         parser.error(f"--cuda-graphs {args.cuda_graphs} needs a CUDA device; --device is {device}")
     if args.data_root is None:
@@ -345,12 +363,14 @@ def main(argv=None) -> int:
         flush=True,
     )
     rates = {}
-    for graphs in GRAPHS[args.cuda_graphs]:
+    for compile, graphs in [(c, g) for c in compiles for g in GRAPHS[args.cuda_graphs]]:
+        args.compile = compile
         label = (
             "fedaval"
             + {None: "", "features": " --cuda-graphs", "step": " --cuda-graphs --cuda-graph-scope step"}[graphs]
             + ("" if args.precision == "fp32" else f" --precision {args.precision}")
             + (" --channels-last" if args.channels_last else "")
+            + ("" if args.compile == "off" else f" --compile {args.compile}")
         )
         if args.processes > 1:
             label += f" in {args.processes} processes"

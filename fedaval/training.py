@@ -155,12 +155,21 @@ def compiled_features(backend: str):
 def compiled_backbone(config: RunConfig, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` through :func:`compiled_features`; a backbone that does
     not compile as one graph, or one that used up its recompilations, is a
-    one-line error naming the backbone."""
+    one-line error naming the backbone.
+
+    The batch dimension is compiled as a size from the first call on
+    (``maybe_mark_dynamic``), not first for the full batch and then again
+    for every size: a client's full and last batches run the same kernels
+    whichever came first, so a run's results do not depend on which
+    batches the process compiled for before (another run, a resume). A
+    size the compiled graph cannot take (dynamo guards some operations on
+    the size, a convolution on at least 16 rows) gets a graph of its own."""
     import torch._dynamo
     import torch._dynamo.exc as dynamo
 
     from fedaval.errors import FedavalUsageError
 
+    torch._dynamo.maybe_mark_dynamic(x, 0)  # every batch size in one graph, from the first
     try:
         return compiled_features(config.compile)(module, x)
     except dynamo.FailOnRecompileLimitHit:

@@ -100,11 +100,27 @@ def test_round_throughput_benchmark_runs(cifar10_root):
         "3",
         "--limit-epochs",
         "1",
+        "--compile",
+        "off,aot_eager",
         "--data-root",
         str(cifar10_root),
     )
     assert "300 samples a round" in out  # the subset's 30 training images x 10 classes, every client training
-    assert "ratio fedaval / limit:" in out and "(local training)" in out
+    for label in ("fedaval", "fedaval --compile aot_eager"):  # each, in this one invocation
+        assert f"ratio {label} / limit:" in out
+    assert "(local training)" in out
+
+
+def test_round_throughput_refuses_compile_with_the_backbones_graphs():
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "round_throughput.py"), "--compile", "inductor", "--cuda-graphs", "all"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "round_throughput.py: error: --compile inductor takes --cuda-graphs off, step or off+step, not all"
+    )
 
 
 def test_step_host_benchmark_runs():
@@ -257,11 +273,14 @@ def test_gpu_ceilings_runs_on_the_cpu(cifar10_root):
         "64",
         "--stacked",
         "3",
+        "--compile",
+        "aot_eager",
         "--data-root",
         str(cifar10_root),
     )
     for line in ("batch 64 (the limit)", "batch 32, bf16", "batch 32, channels-last", "batch 32 x 2 processes"):
         assert line in out
+    assert re.search(r"batch 32, torch.compile aot_eager +[0-9,]+ samples/s", out)
     assert "CUDA graph" not in out and "model graphed" not in out  # the GPU only
     # three models as one vmapped step: each model's step as its own loop's, and timed
     check = re.search(

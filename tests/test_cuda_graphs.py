@@ -500,16 +500,6 @@ def test_the_step_scope_with_adam_is_refused(tiny_config, stand_in_step_graphs):
 
 
 @pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (FEDAVAL_TEST_DEVICE=cuda)")
-def test_on_a_gpu_the_step_graphs_of_a_compiled_backbone_change_no_result(tiny_config, tmp_path):
-    """--compile inductor inside the captured step: Triton's kernels captured with the rest of the step
-    give what they give replayed one by one."""
-    settings = dict(model="cnn", scenario_options={"clients": 3, "tasks": 2}, clients_per_round=2, momentum=0.9)
-    settings.update(rounds_per_task=2, compile="inductor")
-    results = with_and_without_step_graphs(tiny_config, tmp_path, settings)
-    assert results[True] == results[False]
-
-
-@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (FEDAVAL_TEST_DEVICE=cuda)")
 @pytest.mark.parametrize("model", ["auto", "cnn"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_on_a_gpu_the_step_graphs_change_no_result(tiny_config, tmp_path, monkeypatch, model, precision):
@@ -540,3 +530,13 @@ def test_on_a_gpu_the_step_graphs_change_no_result(tiny_config, tmp_path, monkey
     for option in ("cuda_graphs", "cuda_graph_scope"):
         resumed["config"].pop(option)
     assert resumed == results[True]
+
+
+@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (FEDAVAL_TEST_DEVICE=cuda)")
+def test_on_a_gpu_the_step_graphs_of_a_compiled_backbone_change_no_result(tiny_config, tmp_path):
+    """--compile inductor inside the captured step: Triton's kernels captured with the rest of the step
+    give what they give replayed one by one."""
+    settings = dict(model="cnn", scenario_options={"clients": 3, "tasks": 2}, clients_per_round=2, momentum=0.9)
+    settings.update(rounds_per_task=2, compile="inductor")
+    results = with_and_without_step_graphs(tiny_config, tmp_path, settings)
+    assert results[True] == results[False]
