@@ -461,3 +461,8 @@ def test_gpu_session_full_scale_goes_on_from_a_run_its_time_limit_stopped(cifar1
 
 def session_log(tmp_path: Path) -> str:
     return (tmp_path / "work" / "session.log").read_text()
+
+
+def test_compile_methods_compares_a_methods_runs():
+    out = run("compile_methods.py", "fedprox")
+    assert re.search(r"^fedprox +the same results.json; final accuracy differs by 0.0000", out, re.M)

@@ -162,3 +162,16 @@ def test_on_a_gpu_inductor_trains_as_the_eager_run_does(tiny_config, tmp_path):
     losses = [r["rounds"][-1]["losses"]["loss/classification"] for r in (eager, compiled)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-2)
     assert compiled["final"]["accuracy"] == pytest.approx(eager["final"]["accuracy"], abs=0.05)
+
+
+@pytest.mark.parametrize("method", ["gldp", "pfcl", "fedlwf", "fedewc"])
+def test_the_methods_results_do_not_change_under_aot_eager(tiny_config, tmp_path, method):
+    """Methods that read the step's features (GLDP's prototypes, PFCL's), call a model of their own
+    beside the client's (FedLwF's old model) or add an Avalanche penalty (FedEWC) train through the
+    compiled backbone to the eager results. Session 31 ran every one of the 22 methods this way: the
+    same results.json each (docs/performance.md, item 3)."""
+    settings = dict(plugins=[method], momentum=0.9, scenario_options={"clients": 2, "tasks": 2})
+    if method == "gldp":
+        settings["local_epochs"] = 2  # its base and head epochs
+    eager, compiled, _ = compiled_and_eager(tiny_config, tmp_path, "aot_eager", **settings)
+    assert compiled == eager
