@@ -57,8 +57,9 @@ learning rate) or once per minibatch (augmentation).
   made ahead of time. One compiled function serves every client (the
   module is an argument, its tensors the graph's inputs), compiled again
   when what it was compiled for changes: the training mode, grad mode,
-  autocast, a parameter's ``requires_grad``, the batch's shape (after a
-  second size, one graph for all sizes). ``aot_eager``: the same capture
+  autocast, a parameter's ``requires_grad``, a batch of fewer than 16
+  images (the batch size is a symbol from the first call, so a client's
+  full and last batches share one graph). ``aot_eager``: the same capture
   and ahead-of-time backward, run by ATen's eager kernels without code
   generation (for checking: its results are the eager ones). The
   classifier, the methods' loss terms and hooks, the optimizer, evaluation
