@@ -39,6 +39,14 @@ steps (cuDNN autotuning, the allocator), each against the batch-320 loop:
   graph. What batching identical clients into one computation (the issue's
   third way) could give; the first step is checked against each model
   stepped alone (largest parameter difference printed);
+* ``batch 32 x K streams``: K models in one process, each on a CUDA stream
+  of its own (``--streams``; the GPU only), one host thread issuing
+  ``--stream-steps`` steps of one model, then as many of the next (a
+  client's round at a time, as a backend would issue clients one after
+  another without waiting), eagerly and with each model's whole step as one
+  CUDA graph. Kernels of one process's streams can run side by side on the
+  GPU, which processes' contexts without MPS do not: whether clients on
+  streams pass the one graphed loop's bound, its GPU work at batch 32;
 * ``batch 32 x K processes``: K processes training their own model at once
   on the one device (``--processes``), total samples over the wall time from
   a common start to the last one's end; and with each process's model
@@ -285,6 +293,43 @@ def processes_rate(args, k: int, graphed: bool = False) -> float:
     return k * args.batch * args.steps / (end - start)
 
 
+def streams_rate(data, model_name: str, device: torch.device, k: int, args, graphed: bool) -> float:
+    """Samples per second of ``k`` models (:class:`Loop`, seeds 0 to k - 1)
+    each on a CUDA stream of its own, a host thread issuing
+    ``args.stream_steps`` steps of one model on its stream, then of the
+    next; eager steps, or each model's whole step as one CUDA graph."""
+    loops = [Loop(data, model_name, device, seed=i) for i in range(k)]
+    streams = [torch.cuda.Stream(device) for _ in loops]
+    batch = args.batch
+    steps = []
+    for loop in loops:
+        if graphed:
+            x, y = loop.images[:batch].clone(), loop.labels[:batch].clone()
+            steps.append(whole_step_graph(device, loop.step, x, y, args.warmup))
+        else:
+            steps.append(loop.step)
+    current = torch.cuda.current_stream(device)
+
+    def run(turns: int) -> None:
+        for stream in streams:
+            stream.wait_stream(current)
+        for _ in range(turns):
+            for loop, step, stream in zip(loops, steps, streams):
+                with torch.cuda.stream(stream):
+                    for x, y in loop.batches(batch, args.stream_steps):
+                        step(x, y)
+        for stream in streams:
+            current.wait_stream(stream)
+
+    run(1)  # warm-up: every model's first steps, cuDNN's choices
+    sync(device)
+    turns = max(args.steps // args.stream_steps, 1)
+    start = time.perf_counter()
+    run(turns)
+    sync(device)
+    return k * turns * args.stream_steps * batch / (time.perf_counter() - start)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -318,6 +363,18 @@ def main(argv=None) -> int:
         metavar="BACKEND",
         help="the lines of the model compiled by torch.compile with this backend (inductor: fedaval's "
         "--compile inductor; aot_eager: no code generated); empty (default): none",
+    )
+    parser.add_argument(
+        "--streams",
+        default="2,4,10",
+        help="K of the lines of K models on K CUDA streams in one process (comma-separated; the GPU only)",
+    )
+    parser.add_argument(
+        "--stream-steps",
+        type=int,
+        default=16,
+        help="steps of one model issued on its stream before the next model's (16: a client's round of 500 "
+        "images at batch 32)",
     )
     parser.add_argument("--train-per-class", type=int, default=500)
     parser.add_argument("--data-root", default=None, help="an image folder (default: the shared CIFAR-10 subset)")
@@ -420,6 +477,13 @@ def main(argv=None) -> int:
                 attempt(f"{label}, CUDA graph", lambda: stacked.rate(args.steps, args.warmup, graph=True))
             del stacked
     del loop
+    for k in [int(k) for k in args.streams.split(",") if k] if device.type == "cuda" else []:
+        for graphed in (False, True):
+            attempt(
+                f"batch {args.batch} x {k} streams" + (", CUDA graphs" if graphed else ""),
+                lambda k=k, graphed=graphed: streams_rate(data, args.model, device, k, args, graphed),
+            )
+            torch.cuda.empty_cache()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     for k in [int(k) for k in args.processes.split(",") if k]:

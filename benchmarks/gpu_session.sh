@@ -12,11 +12,14 @@
 #
 # Everything lands in $OUT/session.tgz (the device tool brings it back):
 # session.log with each step's time and exit status, one file per step.
-#   graph-tests.txt tests/test_cuda_graphs.py's GPU tests: --cuda-graphs changes no result, for both scopes
+#   graph-tests.txt the GPU tests of tests/test_cuda_graphs.py, test_client_streams.py and test_compile.py:
+#                     --cuda-graphs (both scopes), --client-streams and --compile change no result
 #   throughput.txt    benchmarks/round_throughput.py --device cuda --cuda-graphs all (item 3: ratio to
 #                     the batch-320 limit, without --cuda-graphs, with it, with --cuda-graph-scope step)
 #   throughput-bf16.txt  the same with the step graphed and --precision bf16, then also --channels-last
 #                     (--full-scale, BF16_S)
+#   throughput-streams.txt  the same with the step graphed, the clients on 1, 2, 5 and 10 CUDA streams
+#                     (--full-scale, STREAMS_S)
 #   throughput-compile.txt  the same with --compile inductor, without graphs and with the step graphed
 #                     (--full-scale, COMPILE_S)
 #   phase A, correctness, side by side (no timing in it):
@@ -111,7 +114,7 @@ throughput() {
 # the graphs' own tests on CUDA (the same results.json with and without them, --deterministic), before their timing
 graph_tests() {
     step "$1" graph-tests.txt env FEDAVAL_TEST_DEVICE=cuda OMP_NUM_THREADS=2 python3 -m pytest -q -rfE \
-        -p no:cacheprovider tests/test_cuda_graphs.py -k gpu
+        -p no:cacheprovider tests/test_cuda_graphs.py tests/test_client_streams.py tests/test_compile.py -k gpu
 }
 ceilings() {
     local limit=$1
@@ -168,6 +171,10 @@ if [ "${1:-}" = "--full-scale" ]; then
         [ "${BF16_S:-0}" = 0 ] || step "$BF16_S" throughput-bf16.txt sh -c 'set -e
             python3 benchmarks/round_throughput.py --device cuda --cuda-graphs step --precision bf16
             python3 benchmarks/round_throughput.py --device cuda --cuda-graphs step --precision bf16 --channels-last'
+        # fedaval's rounds with the step graphed, a round's clients on 1, 2, 5 and 10 CUDA streams (STREAMS_S, off
+        # by default): whether several clients' kernels at once pass the one stream's bound
+        [ "${STREAMS_S:-0}" = 0 ] || step "$STREAMS_S" throughput-streams.txt python3 benchmarks/round_throughput.py \
+            --device cuda --cuda-graphs step --client-streams 1,2,5,10
         # fedaval's rounds with --compile inductor, without graphs and with the step graphed (COMPILE_S, off by
         # default): the first round pays for the compilations and is not timed
         [ "${COMPILE_S:-0}" = 0 ] || step "$COMPILE_S" throughput-compile.txt python3 benchmarks/round_throughput.py \

@@ -44,6 +44,10 @@ as well (the whole step, SGD update included, one graph), and ``all`` runs
 the three (``off+step``: without and with the step's); the first round also
 pays for each client's captures, and is not timed.
 
+With ``--client-streams K`` (or several, ``1,2,5``: each run in this
+invocation) fedaval's rounds issue their clients on K CUDA streams
+(:mod:`fedaval.cuda_streams`): kernels of several clients may run at once.
+
 With ``--compile BACKEND`` (or several, ``off,inductor``: each run in this
 invocation, with each ``--cuda-graphs`` run) fedaval's rounds run with ``--compile`` (each
 client's backbone through ``torch.compile``; with graphs, the step scope
@@ -176,6 +180,7 @@ def fedaval_config(args, root: str, out: Path, graphs: str | None, clients: int)
             precision=args.precision,
             channels_last=args.channels_last,
             compile=args.compile,
+            client_streams=args.client_streams,
             seed=0,
             out=str(out),
         )
@@ -312,6 +317,12 @@ def main(argv=None) -> int:
         "loop stays eager",
     )
     parser.add_argument(
+        "--client-streams",
+        default="1",
+        help="fedaval's --client-streams K (a round's clients on K CUDA streams), or several comma-separated, "
+        "each run in this invocation (1,5: before and after); CUDA only",
+    )
+    parser.add_argument(
         "--processes",
         type=int,
         default=1,
@@ -338,6 +349,12 @@ def main(argv=None) -> int:
     if args.processes > 1 and (args.profile or args.data_root is not None):
         parser.error("--processes takes neither --profile nor --data-root (each process makes its own subset)")
     compiles = args.compile.split(",")
+    try:
+        client_streams = [int(k) for k in args.client_streams.split(",")]
+    except ValueError:
+        parser.error(f"--client-streams {args.client_streams}: comma-separated integers")
+    if client_streams != [1] and device.type != "cuda":
+        parser.error(f"--client-streams {args.client_streams} needs a CUDA device; --device is {device}")
     if compiles != ["off"] and "features" in GRAPHS[args.cuda_graphs]:
         parser.error(f"--compile {args.compile} takes --cuda-graphs off, step or off+step, not {args.cuda_graphs}")
     if args.cuda_graphs != "off" and device.type != "cuda":
@@ -363,7 +380,8 @@ def main(argv=None) -> int:
         flush=True,
     )
     rates = {}
-    for compile, graphs in [(c, g) for c in compiles for g in GRAPHS[args.cuda_graphs]]:
+    runs = [(c, k, g) for c in compiles for k in client_streams for g in GRAPHS[args.cuda_graphs]]
+    for compile, args.client_streams, graphs in runs:
         args.compile = compile
         label = (
             "fedaval"
@@ -371,6 +389,7 @@ def main(argv=None) -> int:
             + ("" if args.precision == "fp32" else f" --precision {args.precision}")
             + (" --channels-last" if args.channels_last else "")
             + ("" if args.compile == "off" else f" --compile {args.compile}")
+            + ("" if args.client_streams == 1 else f" --client-streams {args.client_streams}")
         )
         if args.processes > 1:
             label += f" in {args.processes} processes"

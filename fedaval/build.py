@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedaval import core, cuda_graphs, host_memory, offload, registries, state
+from fedaval import core, cuda_graphs, cuda_streams, host_memory, offload, registries, state
 from fedaval.client import Client
 from fedaval.config import RunConfig
 from fedaval.datasets import load_dataset
@@ -43,6 +43,7 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
     cuda_graphs.check_device(config.cuda_graphs, config.device, run.device)
     check_precision(config, run.device)
     check_compile(config, run.device)
+    cuda_streams.check(config, run.device)
     use_deterministic_algorithms(config.deterministic)
     host_memory.apply(config.host_memory)
     run.pm = get_plugin_manager()

@@ -22,6 +22,7 @@ AUGMENTS = ("auto", "none", "standard")
 CUDA_GRAPH_SCOPES = ("features", "step")  # what --cuda-graphs captures (fedaval.cuda_graphs)
 PRECISIONS = ("fp32", "bf16")  # local training's forward and loss (fedaval.training.autocast)
 COMPILE_BACKENDS = ("off", "inductor", "aot_eager")  # --compile (fedaval.training.compiled_features)
+MAX_CLIENT_STREAMS = 64  # --client-streams (fedaval.cuda_streams)
 
 TRAINING_DEFAULTS: dict[str, dict[str, Any]] = {
     # digits (8x8, the MLP), measured, not guessed: lr 0.01 x 1 epoch left FedAvg
@@ -73,6 +74,7 @@ class RunConfig:
     precision: str = "fp32"
     channels_last: bool = False
     compile: str = "off"
+    client_streams: int = 1
     eval_every: int = 1
     utility_lambda: float = 0.5
     link_mbps: float = 100.0
@@ -179,6 +181,12 @@ class RunConfig:
             ("--augment", self.augment, self.augment in AUGMENTS, "one of " + ", ".join(AUGMENTS)),
             ("--precision", self.precision, self.precision in PRECISIONS, "one of " + ", ".join(PRECISIONS)),
             ("--compile", self.compile, self.compile in COMPILE_BACKENDS, "one of " + ", ".join(COMPILE_BACKENDS)),
+            (
+                "--client-streams",
+                self.client_streams,
+                isinstance(self.client_streams, int) and 1 <= self.client_streams <= MAX_CLIENT_STREAMS,
+                f"an integer from 1 to {MAX_CLIENT_STREAMS}",
+            ),
             (
                 "--cuda-graph-scope",
                 self.cuda_graph_scope,

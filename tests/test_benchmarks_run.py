@@ -111,7 +111,7 @@ def test_round_throughput_benchmark_runs(cifar10_root):
     assert "(local training)" in out
 
 
-def test_round_throughput_refuses_compile_with_the_backbones_graphs():
+def test_round_throughput_refuses_compile_with_the_backbones_graphs_and_streams_on_the_cpu():
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "round_throughput.py"), "--compile", "inductor", "--cuda-graphs", "all"],
         capture_output=True,
@@ -120,6 +120,15 @@ def test_round_throughput_refuses_compile_with_the_backbones_graphs():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "round_throughput.py: error: --compile inductor takes --cuda-graphs off, step or off+step, not all"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "round_throughput.py"), "--device", "cpu", "--client-streams", "1,4"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "round_throughput.py: error: --client-streams 1,4 needs a CUDA device; --device is cpu"
     )
 
 

@@ -175,3 +175,15 @@ def test_the_methods_results_do_not_change_under_aot_eager(tiny_config, tmp_path
         settings["local_epochs"] = 2  # its base and head epochs
     eager, compiled, _ = compiled_and_eager(tiny_config, tmp_path, "aot_eager", **settings)
     assert compiled == eager
+
+
+@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="inductor's Triton kernels and CUDA graphs need a GPU")
+def test_on_a_gpu_the_step_graphs_of_a_compiled_backbone_change_no_result(tiny_config, tmp_path):
+    """--compile inductor inside the captured step: Triton's kernels captured with the rest of the step
+    give what they give replayed one by one."""
+    settings = dict(model="cnn", scenario_options={"clients": 3, "tasks": 2}, clients_per_round=2, momentum=0.9)
+    settings.update(rounds_per_task=2, compile="inductor")
+    from test_cuda_graphs import with_and_without_step_graphs
+
+    results = with_and_without_step_graphs(tiny_config, tmp_path, settings)
+    assert results[True] == results[False]

@@ -530,13 +530,3 @@ def test_on_a_gpu_the_step_graphs_change_no_result(tiny_config, tmp_path, monkey
     for option in ("cuda_graphs", "cuda_graph_scope"):
         resumed["config"].pop(option)
     assert resumed == results[True]
-
-
-@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (FEDAVAL_TEST_DEVICE=cuda)")
-def test_on_a_gpu_the_step_graphs_of_a_compiled_backbone_change_no_result(tiny_config, tmp_path):
-    """--compile inductor inside the captured step: Triton's kernels captured with the rest of the step
-    give what they give replayed one by one."""
-    settings = dict(model="cnn", scenario_options={"clients": 3, "tasks": 2}, clients_per_round=2, momentum=0.9)
-    settings.update(rounds_per_task=2, compile="inductor")
-    results = with_and_without_step_graphs(tiny_config, tmp_path, settings)
-    assert results[True] == results[False]

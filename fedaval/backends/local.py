@@ -180,7 +180,8 @@ class _DeviceReads:
 
 
 class LocalBackend:
-    """Every client in this process, one after the other, on ``--device``."""
+    """Every client in this process, one after the other, on ``--device``;
+    with ``--client-streams K`` on K CUDA streams (:mod:`fedaval.cuda_streams`)."""
 
     name = "local"
 
@@ -192,10 +193,15 @@ class LocalBackend:
         round: int,
         extras: dict[int, dict[str, Any]] | None = None,
     ) -> list[ClientRound]:
+        from fedaval.cuda_streams import ClientStreams
+
         extras = extras or {}
-        results = [
-            client_round(run, run.clients[k], download, round, extras.get(k), settle_now=False) for k in client_ids
-        ]
+        streams = ClientStreams(run.device, run.config.client_streams)  # --client-streams: one stream, or K
+        results = []
+        for index, k in enumerate(client_ids):
+            with streams.client(index):
+                results.append(client_round(run, run.clients[k], download, round, extras.get(k), settle_now=False))
+        streams.join()
         start = time.perf_counter()
         settle(results)  # the round's one wait for the device (see settle)
         if results:

@@ -225,6 +225,15 @@ def cli() -> None:
     "aot_eager (the same capture run by eager kernels, for checking); fedaval/training.py.",
 )
 @click.option(
+    "--client-streams",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Issue a round's clients on this many CUDA streams, so the GPU may run several clients' kernels at "
+    "once; the same results as one stream with --deterministic; CUDA and --backend local only "
+    "(fedaval/cuda_streams.py).",
+)
+@click.option(
     "--cuda-graph-scope",
     default="features",
     show_default=True,
