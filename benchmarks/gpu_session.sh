@@ -166,15 +166,15 @@ if [ "${1:-}" = "--full-scale" ]; then
         [ "${GRAPH_TESTS_S:-90}" = 0 ] || graph_tests "${GRAPH_TESTS_S:-90}"
         # benchmarks/cifar_data.py makes its subset from $DATA_ROOT when it is /tmp/cifar10-full
         [ "${THROUGHPUT_S:-60}" = 0 ] || throughput "${THROUGHPUT_S:-60}"
+        # fedaval's rounds with the step graphed, a round's clients on 1, 2, 5 and 10 CUDA streams (STREAMS_S, off
+        # by default): whether several clients' kernels at once pass the one stream's bound
+        [ "${STREAMS_S:-0}" = 0 ] || step "$STREAMS_S" throughput-streams.txt python3 benchmarks/round_throughput.py \
+            --device cuda --cuda-graphs step --client-streams 1,2,5,10
         # the step graphed with --precision bf16, then with --channels-last too (BF16_S, off by default): fedaval's
         # fastest settings for item 3
         [ "${BF16_S:-0}" = 0 ] || step "$BF16_S" throughput-bf16.txt sh -c 'set -e
             python3 benchmarks/round_throughput.py --device cuda --cuda-graphs step --precision bf16
             python3 benchmarks/round_throughput.py --device cuda --cuda-graphs step --precision bf16 --channels-last'
-        # fedaval's rounds with the step graphed, a round's clients on 1, 2, 5 and 10 CUDA streams (STREAMS_S, off
-        # by default): whether several clients' kernels at once pass the one stream's bound
-        [ "${STREAMS_S:-0}" = 0 ] || step "$STREAMS_S" throughput-streams.txt python3 benchmarks/round_throughput.py \
-            --device cuda --cuda-graphs step --client-streams 1,2,5,10
         # fedaval's rounds with --compile inductor, without graphs and with the step graphed (COMPILE_S, off by
         # default): the first round pays for the compilations and is not timed
         [ "${COMPILE_S:-0}" = 0 ] || step "$COMPILE_S" throughput-compile.txt python3 benchmarks/round_throughput.py \
