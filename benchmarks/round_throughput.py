@@ -51,8 +51,8 @@ invocation) fedaval's rounds issue their clients on K CUDA streams
 With ``--compile BACKEND`` (or several, ``off,inductor``: each run in this
 invocation, with each ``--cuda-graphs`` run) fedaval's rounds run with ``--compile`` (each
 client's backbone through ``torch.compile``; with graphs, the step scope
-only); the first round also pays for the compilations (one function for all
-clients, compiled again for the last, smaller batch), and is not timed.
+only); the first round also pays for the compilation (one compiled function
+for every client and both batch sizes), and is not timed.
 
 Printed: both rates, their ratio (fedaval / limit; the issue's goal on the
 GPU is at least 0.5), the device and the load average before and after.
@@ -381,8 +381,7 @@ def main(argv=None) -> int:
     )
     rates = {}
     runs = [(c, k, g) for c in compiles for k in client_streams for g in GRAPHS[args.cuda_graphs]]
-    for compile, args.client_streams, graphs in runs:
-        args.compile = compile
+    for args.compile, args.client_streams, graphs in runs:
         label = (
             "fedaval"
             + {None: "", "features": " --cuda-graphs", "step": " --cuda-graphs --cuda-graph-scope step"}[graphs]

@@ -15,7 +15,7 @@ from fedaval.errors import FedavalUsageError
 
 
 class GradFns:
-    """Records the autograd node that made each training step's features, and what evaluation classifies."""
+    """Records the autograd node that made each training step's features."""
 
     name = "grad_fns"
 
@@ -44,12 +44,27 @@ def compiled_and_eager(tiny_config, tmp_path, backend: str, **settings) -> tuple
     return results["off"], results[backend], probes[backend]
 
 
-def test_aot_eager_trains_through_the_compiled_backbone_with_the_eager_results(tiny_config, tmp_path):
+def test_aot_eager_trains_through_the_compiled_backbone_with_the_eager_results(tiny_config, tmp_path, monkeypatch):
     """The compiled function is what trains (its autograd node made the features), the classifier and
     the optimizer around it as they were: run by eager kernels, the results are the eager run's, bit for
-    bit, momentum and a last batch of another size included (one graph for both sizes after the second)."""
+    bit, momentum and a last batch of another size included (one graph for both sizes). Evaluation
+    (without gradients) does not go through it."""
+    from fedaval import training
+
+    compiled_features, calls = training.compiled_features, []
+
+    def spy(backend):
+        def call(module, x):
+            calls.append((torch.is_grad_enabled(), len(x)))
+            return compiled_features(backend)(module, x)
+
+        return call
+
+    monkeypatch.setattr(training, "compiled_features", spy)
     eager, compiled, _ = compiled_and_eager(tiny_config, tmp_path, "aot_eager", momentum=0.9)
     assert compiled == eager
+    assert {grad for grad, _ in calls} == {True}  # training steps only
+    assert len({size for _, size in calls}) >= 2  # full and last batches
 
 
 def test_inductor_trains_from_generated_kernels(tiny_config, tmp_path):
