@@ -111,23 +111,18 @@ def test_round_throughput_benchmark_runs(cifar10_root):
     assert "(local training)" in out
 
 
+def usage_error(script: str, *args: str) -> str:
+    """Run a benchmark expecting argparse's refusal (exit 2); its last line."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
 def test_round_throughput_refuses_compile_with_the_backbones_graphs_and_streams_on_the_cpu():
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "round_throughput.py"), "--compile", "inductor", "--cuda-graphs", "all"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
+    assert usage_error("round_throughput.py", "--compile", "inductor", "--cuda-graphs", "all") == (
         "round_throughput.py: error: --compile inductor takes --cuda-graphs off, step or off+step, not all"
     )
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "round_throughput.py"), "--device", "cpu", "--client-streams", "1,4"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
+    assert usage_error("round_throughput.py", "--device", "cpu", "--client-streams", "1,4") == (
         "round_throughput.py: error: --client-streams 1,4 needs a CUDA device; --device is cpu"
     )
 
@@ -176,13 +171,7 @@ def test_glfc_task_steps_benchmark_runs_and_herds_as_avalanche():
 
 
 def test_round_throughput_refuses_cuda_graphs_without_a_gpu():
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "round_throughput.py"), "--device", "cpu", "--cuda-graphs", "both"],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[-1] == (
+    assert usage_error("round_throughput.py", "--device", "cpu", "--cuda-graphs", "both") == (
         "round_throughput.py: error: --cuda-graphs both needs a CUDA device; --device is cpu"
     )
 
