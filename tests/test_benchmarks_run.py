@@ -111,18 +111,29 @@ def test_round_throughput_benchmark_runs(cifar10_root):
     assert "(local training)" in out
 
 
-def usage_error(script: str, *args: str) -> str:
-    """Run a benchmark expecting argparse's refusal (exit 2); its last line."""
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    return proc.stderr.strip().splitlines()[-1]
+def usage_error(monkeypatch, script: str, *args: str) -> str:
+    """A benchmark's ``main`` run in this process (no interpreter to start), expecting argparse's
+    refusal (exit 2): its last line. ``--threads`` is this process's own, which ``main`` sets."""
+    import contextlib
+    import importlib
+    import io
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [script])  # argparse's program name
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit:
+        importlib.import_module(script.removesuffix(".py")).main([*args, "--threads", str(torch.get_num_threads())])
+    assert exit.value.code == 2, err.getvalue()
+    return err.getvalue().strip().splitlines()[-1]
 
 
-def test_round_throughput_refuses_compile_with_the_backbones_graphs_and_streams_on_the_cpu():
-    assert usage_error("round_throughput.py", "--compile", "inductor", "--cuda-graphs", "all") == (
+def test_round_throughput_refuses_compile_with_the_backbones_graphs_and_streams_on_the_cpu(monkeypatch):
+    assert usage_error(monkeypatch, "round_throughput.py", "--compile", "inductor", "--cuda-graphs", "all") == (
         "round_throughput.py: error: --compile inductor takes --cuda-graphs off, step or off+step, not all"
     )
-    assert usage_error("round_throughput.py", "--device", "cpu", "--client-streams", "1,4") == (
+    assert usage_error(monkeypatch, "round_throughput.py", "--device", "cpu", "--client-streams", "1,4") == (
         "round_throughput.py: error: --client-streams 1,4 needs a CUDA device; --device is cpu"
     )
 
@@ -170,8 +181,8 @@ def test_glfc_task_steps_benchmark_runs_and_herds_as_avalanche():
     assert "same order: True" in out and "gradient inversion" in out
 
 
-def test_round_throughput_refuses_cuda_graphs_without_a_gpu():
-    assert usage_error("round_throughput.py", "--device", "cpu", "--cuda-graphs", "both") == (
+def test_round_throughput_refuses_cuda_graphs_without_a_gpu(monkeypatch):
+    assert usage_error(monkeypatch, "round_throughput.py", "--device", "cpu", "--cuda-graphs", "both") == (
         "round_throughput.py: error: --cuda-graphs both needs a CUDA device; --device is cpu"
     )
 
@@ -461,6 +472,10 @@ def session_log(tmp_path: Path) -> str:
     return (tmp_path / "work" / "session.log").read_text()
 
 
-def test_compile_methods_compares_a_methods_runs():
-    out = run("compile_methods.py", "fedprox")
+def test_compile_methods_compares_a_methods_runs(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from compile_methods import main
+
+    assert main(["fedprox"]) == 0
+    out = capsys.readouterr().out
     assert re.search(r"^fedprox +the same results.json; final accuracy differs by 0.0000", out, re.M)

@@ -32,15 +32,17 @@ def compiled_and_eager(tiny_config, tmp_path, backend: str, **settings) -> tuple
     from fedaval.api import run_training
 
     results, probes = {}, {}
+    settings.setdefault("model", "cnn")
     for compile in ("off", backend):
         probes[compile] = GradFns()
-        config = tiny_config(out=str(tmp_path / compile), model="cnn", compile=compile, **settings)
+        config = tiny_config(out=str(tmp_path / compile), compile=compile, **settings)
         results[compile] = strip_timing(run_training(config, extra_plugins=[probes[compile]]))
         results[compile]["config"].pop("compile")
-    assert "ViewBackward0" in probes["off"].training  # the CNN's flatten, eagerly
+    eager_nodes = probes["off"].training - {"NoneType"}  # the backbone's last operation (the CNN's flatten)
+    assert eager_nodes and "CompiledFunctionBackward" not in eager_nodes
     # the backbone's output comes from AOTAutograd's compiled function: what trained was compiled
     assert "CompiledFunctionBackward" in probes[backend].training
-    assert "ViewBackward0" not in probes[backend].training
+    assert not eager_nodes & probes[backend].training
     return results["off"], results[backend], probes[backend]
 
 
@@ -69,8 +71,9 @@ def test_aot_eager_trains_through_the_compiled_backbone_with_the_eager_results(t
 
 def test_inductor_trains_from_generated_kernels(tiny_config, tmp_path):
     """inductor's generated kernels (C++ on the CPU) sum in other orders: the run learns as the eager
-    one does, its losses close to the eager ones, not necessarily equal."""
-    eager, compiled, _ = compiled_and_eager(tiny_config, tmp_path, "inductor", momentum=0.9)
+    one does, its losses close to the eager ones, not necessarily equal. The MLP: its few kernels
+    compile in seconds (the CNN's take about 25 s here; benchmarks/compile_methods.py runs them)."""
+    eager, compiled, _ = compiled_and_eager(tiny_config, tmp_path, "inductor", momentum=0.9, model="mlp")
     losses = [r["rounds"][-1]["losses"]["loss/classification"] for r in (eager, compiled)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-3)
     assert compiled["final"]["accuracy"] == pytest.approx(eager["final"]["accuracy"], abs=0.05)
