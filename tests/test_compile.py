@@ -71,12 +71,20 @@ def test_aot_eager_trains_through_the_compiled_backbone_with_the_eager_results(t
 
 def test_inductor_trains_from_generated_kernels(tiny_config, tmp_path):
     """inductor's generated kernels (C++ on the CPU) sum in other orders: the run learns as the eager
-    one does, its losses close to the eager ones, not necessarily equal. The MLP: its few kernels
+    one does, its losses close to the eager ones, not necessarily equal; two runs with the same seed
+    give the same results. The MLP: its few kernels
     compile in seconds (the CNN's take about 25 s here; benchmarks/compile_methods.py runs them)."""
+    from fedaval.api import run_training
+
     eager, compiled, _ = compiled_and_eager(tiny_config, tmp_path, "inductor", momentum=0.9, model="mlp")
     losses = [r["rounds"][-1]["losses"]["loss/classification"] for r in (eager, compiled)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-3)
     assert compiled["final"]["accuracy"] == pytest.approx(eager["final"]["accuracy"], abs=0.05)
+    # and a second compiled run with the same seed is the first one, bit for bit
+    config = tiny_config(out=str(tmp_path / "again"), compile="inductor", momentum=0.9, model="mlp")
+    again = strip_timing(run_training(config, extra_plugins=[GradFns()]))
+    again["config"].pop("compile")
+    assert again == compiled
 
 
 def test_a_frozen_backbone_runs_compiled_for_what_it_is_now(tiny_config, tmp_path, monkeypatch):
