@@ -479,3 +479,60 @@ def test_compile_methods_compares_a_methods_runs(monkeypatch, capsys):
     assert main(["fedprox"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^fedprox +the same results.json; final accuracy differs by 0.0000", out, re.M)
+
+
+def test_gpu_ceilings_streams_line_steps_each_model_on_its_own_stream(monkeypatch, cifar10_root):
+    """The streams ceiling (the GPU only) run here with torch.cuda's stream calls stood in: each model's
+    steps are issued inside its own stream, --stream-steps of one model and then of the next, every
+    stream waiting for the default one before and the default waiting for all after; eager and with
+    the step captured (the capture stood in by the eager step)."""
+    import argparse
+    from contextlib import contextmanager
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_ceilings
+
+    from fedaval.datasets import load_dataset
+
+    log, current, made = [], ["default"], iter(range(10))
+
+    class Stream:
+        def __init__(self, device=None, name=None):
+            self.name = name or f"s{next(made)}"
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    default = Stream(name="default")
+
+    @contextmanager
+    def on(stream):
+        current.append(stream.name)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
+    monkeypatch.setattr(gpu_ceilings, "sync", lambda device: None)
+    monkeypatch.setattr(gpu_ceilings, "whole_step_graph", lambda device, step, x, y, warmup: step)
+    step = gpu_ceilings.Loop.step
+    monkeypatch.setattr(
+        gpu_ceilings.Loop,
+        "step",
+        lambda self, x, y, *a, **k: (log.append(("step", current[-1])), step(self, x, y, *a, **k))[1],
+    )
+
+    data = load_dataset("imagefolder", str(cifar10_root), False)
+    args = argparse.Namespace(batch=8, warmup=1, stream_steps=2, steps=4)
+    for graphed in (False, True):
+        log.clear()
+        assert gpu_ceilings.streams_rate(data, "cnn", torch.device("cpu"), 2, args, graphed) > 0
+        first, second = ("s0", "s1") if not graphed else ("s2", "s3")
+        turn = [("step", first)] * 2 + [("step", second)] * 2
+        waits_before = [("wait", first, "default"), ("wait", second, "default")]
+        waits_after = [("wait", "default", first), ("wait", "default", second)]
+        # the warm-up turn, then args.steps / args.stream_steps timed turns
+        assert log == waits_before + turn + waits_after + waits_before + turn * 2 + waits_after
