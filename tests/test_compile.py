@@ -190,15 +190,25 @@ def test_on_a_gpu_inductor_trains_as_the_eager_run_does(tiny_config, tmp_path):
     assert compiled["final"]["accuracy"] == pytest.approx(eager["final"]["accuracy"], abs=0.05)
 
 
-@pytest.mark.parametrize("method", ["gldp", "pfcl", "fedlwf", "fedewc"])
-def test_the_methods_results_do_not_change_under_aot_eager(tiny_config, tmp_path, method):
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("gldp", {"local_epochs": 2}),  # its base and head epochs
+        ("pfcl", {}),
+        ("fedlwf", {}),
+        ("fedewc", {}),
+        # 2 of 3 clients a round, the third's strategy pickled until it trains again
+        ("fedavg", {"offload_clients": "cpu", "clients_per_round": 2, "scenario_options": {"clients": 3, "tasks": 2}}),
+    ],
+    ids=["gldp", "pfcl", "fedlwf", "fedewc", "offloaded"],
+)
+def test_the_methods_results_do_not_change_under_aot_eager(tiny_config, tmp_path, method, extra):
     """Methods that read the step's features (GLDP's prototypes, PFCL's), call a model of their own
-    beside the client's (FedLwF's old model) or add an Avalanche penalty (FedEWC) train through the
-    compiled backbone to the eager results. Session 31 ran every one of the 22 methods this way: the
-    same results.json each (docs/performance.md, item 3)."""
+    beside the client's (FedLwF's old model) or add an Avalanche penalty (FedEWC), and clients offloaded
+    between rounds, train through the compiled backbone to the eager results. Session 31 ran every one
+    of the 22 plugins this way: the same results.json each (docs/performance.md, item 3)."""
     settings = dict(plugins=[method], momentum=0.9, scenario_options={"clients": 2, "tasks": 2})
-    if method == "gldp":
-        settings["local_epochs"] = 2  # its base and head epochs
+    settings.update(extra)
     eager, compiled, _ = compiled_and_eager(tiny_config, tmp_path, "aot_eager", **settings)
     assert compiled == eager
 
