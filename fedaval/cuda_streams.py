@@ -100,8 +100,9 @@ class ClientStreams:
 
     def join(self) -> None:
         """The current stream waits for every stream a client was issued on."""
-        current = torch.cuda.current_stream(self.device) if self.streams else None
+        if not self._used:
+            return
+        current = torch.cuda.current_stream(self.device)
         for slot in sorted(self._used):
-            assert current is not None
             current.wait_stream(self.streams[slot])
         self._used.clear()

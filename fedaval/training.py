@@ -181,7 +181,7 @@ def compiled_backbone(config: RunConfig, module: torch.nn.Module, x: torch.Tenso
             "use --compile off"
         ) from None
     except dynamo.Unsupported as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = (str(error).strip() or type(error).__name__).splitlines()[0]
         raise FedavalUsageError(
             f"--compile {config.compile}: {type(module).__name__} does not compile as one graph ({reason}); "
             "use --compile off"

@@ -71,3 +71,42 @@ class Raises:
     def fedaval_client_epoch_start(self, run, client, epoch):
         if client.id == 1 and run.round == 2:
             raise RuntimeError("disk full on client 1")
+
+
+class FakeStream:
+    """A CUDA stream stood in on the CPU: named, and logging its waits as ``("wait", waiter, waited)``."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(("wait", self.name, other.name))
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def stand_in_cuda_streams(monkeypatch) -> tuple[list, list]:
+    """torch.cuda's stream calls stood in: ``torch.cuda.Stream()`` makes :class:`FakeStream` s0, s1, ...,
+    ``torch.cuda.stream(s)`` makes ``s`` current, ``torch.cuda.current_stream()`` returns it (``default``
+    outside). Returns the log of waits and the stack of current streams (``current[-1]``)."""
+    from contextlib import contextmanager
+
+    import torch
+
+    log: list = []
+    current = [FakeStream(log, "default")]
+    made = iter(range(1000))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(log, f"s{next(made)}"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+
+    @contextmanager
+    def on(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    return log, current

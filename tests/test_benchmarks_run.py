@@ -487,42 +487,23 @@ def test_gpu_ceilings_streams_line_steps_each_model_on_its_own_stream(monkeypatc
     stream waiting for the default one before and the default waiting for all after; eager and with
     the step captured (the capture stood in by the eager step)."""
     import argparse
-    from contextlib import contextmanager
 
     import torch
+    from helpers import stand_in_cuda_streams
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import gpu_ceilings
 
     from fedaval.datasets import load_dataset
 
-    log, current, made = [], ["default"], iter(range(10))
-
-    class Stream:
-        def __init__(self, device=None, name=None):
-            self.name = name or f"s{next(made)}"
-
-        def wait_stream(self, other):
-            log.append(("wait", self.name, other.name))
-
-    default = Stream(name="default")
-
-    @contextmanager
-    def on(stream):
-        current.append(stream.name)
-        yield
-        current.pop()
-
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
+    log, current = stand_in_cuda_streams(monkeypatch)
     monkeypatch.setattr(gpu_ceilings, "sync", lambda device: None)
     monkeypatch.setattr(gpu_ceilings, "whole_step_graph", lambda device, step, x, y, warmup: step)
     step = gpu_ceilings.Loop.step
     monkeypatch.setattr(
         gpu_ceilings.Loop,
         "step",
-        lambda self, x, y, *a, **k: (log.append(("step", current[-1])), step(self, x, y, *a, **k))[1],
+        lambda self, x, y, *a, **k: (log.append(("step", current[-1].name)), step(self, x, y, *a, **k))[1],
     )
 
     data = load_dataset("imagefolder", str(cifar10_root), False)

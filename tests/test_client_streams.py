@@ -6,47 +6,21 @@ GPU test at the end runs real streams (FEDAVAL_TEST_DEVICE=cuda)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
-from helpers import TEST_DEVICE, one_line_error, strip_timing
+from helpers import TEST_DEVICE, one_line_error, stand_in_cuda_streams, strip_timing
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
 
 
-class FakeStream:
-    def __init__(self, log: list, name: str):
-        self.log, self.name = log, name
-
-    def wait_stream(self, other: FakeStream) -> None:
-        self.log.append(("wait", self.name, other.name))
-
-    def __repr__(self) -> str:
-        return self.name
-
-
 @pytest.fixture
 def fake_streams(monkeypatch):
-    """torch.cuda's stream calls stood in: returns the log of waits, stream entries and what ran where."""
+    """torch.cuda's stream calls stood in (helpers.stand_in_cuda_streams), the round's read logged too:
+    returns the log of waits and reads, and the stack of current streams."""
     from fedaval import backends, cuda_streams
 
-    log: list = []
-    current = [FakeStream(log, "default")]
-    made = iter(range(100))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(log, f"s{next(made)}"))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
-
-    @contextmanager
-    def on(stream):
-        current.append(stream)
-        try:
-            yield
-        finally:
-            current.pop()
-
-    monkeypatch.setattr(torch.cuda, "stream", on)
+    log, current = stand_in_cuda_streams(monkeypatch)
     monkeypatch.setattr(cuda_streams, "check", lambda config, device: None)
     settle = backends.local.settle
     monkeypatch.setattr(
