@@ -111,3 +111,29 @@ def test_bad_input_is_a_one_line_error_with_status_2(tmp_path, args, expected):
     assert len(lines) == 1 and lines[0].startswith("fedaval: error: "), result.stderr
     assert expected in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["train", "--client-streams", "abc"], "Invalid value for '--client-streams': 'abc' is not a valid integer"),
+        (["train", "--lr", "fast"], "Invalid value for '--lr': 'fast' is not a valid float"),
+        (["train", "--bogus", "1"], "No such option '--bogus'"),
+        (["train", "--rounds-per-task"], "Option '--rounds-per-task' requires an argument"),
+        (["trian"], "No such command 'trian'. Did you mean 'train'?"),
+        (["--bogus"], "No such option '--bogus'"),
+        (["attack", "somewhere", "--round", "x"], "Invalid value for '--round': 'x' is not a valid integer"),
+        (["attack", "somewhere"], "Missing option '--round'"),
+        (["report", "--paper", "/nonexistent/p.toml", "somewhere"], "'/nonexistent/p.toml' does not exist"),
+        (["report"], "Missing argument 'RUN_DIR...'"),
+    ],
+)
+def test_what_click_refuses_while_parsing_is_one_line_too(args, expected):
+    """A value of the wrong type, an unknown option or command, a missing
+    value: one line naming it, status 2, not click's usage block."""
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedaval: error: "), result.stderr
+    assert expected in lines[0]
+    assert "Usage:" not in result.output

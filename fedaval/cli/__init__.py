@@ -26,16 +26,40 @@ def parse_assignments(values: tuple[str, ...]) -> dict[str, dict[str, str]]:
     return out
 
 
+class OneLineUsageError(click.UsageError):
+    """A click usage error (an unknown option or command, a value of the wrong
+    type, a missing value) shown as the one line fedaval's own usage errors
+    are, status 2, instead of click's usage block."""
+
+    def show(self, file=None) -> None:
+        where = f" (see '{self.ctx.command_path} --help')" if self.ctx is not None else ""
+        click.echo(f"fedaval: error: {self.format_message()}{where}", file=file, err=file is None)
+
+
+def one_line(exc: click.UsageError) -> OneLineUsageError:
+    if isinstance(exc, OneLineUsageError):
+        return exc
+    return OneLineUsageError(exc.format_message(), exc.ctx)
+
+
 class FedavalGroup(click.Group):
-    """Prints a :class:`FedavalUsageError` as one line and exits with status 2,
-    a :class:`RunFailure` as one line and exits with status 1, a
-    :class:`RunInterrupted` (Ctrl-C, SIGTERM) as one line and exits with
-    status 130, a :class:`RunStopped` (``--time-limit``) as one line and
-    exits with status 75."""
+    """Prints a :class:`FedavalUsageError` or a click usage error (parsing)
+    as one line and exits with status 2, a :class:`RunFailure` as one line
+    and exits with status 1, a :class:`RunInterrupted` (Ctrl-C, SIGTERM) as
+    one line and exits with status 130, a :class:`RunStopped`
+    (``--time-limit``) as one line and exits with status 75."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:  # the group's own options and arguments
+            raise one_line(exc) from None
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:  # the command's name, and its options as it parses them
+            raise one_line(exc) from None
         except FedavalUsageError as exc:
             click.echo(f"fedaval: error: {exc}", err=True)
             ctx.exit(2)
