@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedaval import core, cuda_graphs, cuda_streams, host_memory, offload, registries, state
+from fedaval import core, cuda_graphs, cuda_streams, host_memory, offload, registries, stacked, state
 from fedaval.client import Client
 from fedaval.config import RunConfig
 from fedaval.datasets import load_dataset
@@ -53,6 +53,7 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
     scenario_values = {**raw.pop(config.scenario, {}), **config.scenario_options}
     run.plugins = load_plugins(run.pm, config.plugins, raw, extra=[core.CorePlugin(), *extra_plugins])
     cuda_graphs.check_scope(config, run)
+    stacked.check(config, run)
     run.scenarios = registries.collect(run.pm, "scenarios")
     run.datasets = registries.collect(run.pm, "datasets")
     run.models = registries.collect(run.pm, "models")

@@ -276,14 +276,22 @@ def swap_streams(streams: dict[str, Any], device: torch.device) -> dict[str, Any
     nothing from ``np.random``; a plugin that draws legacy normals an odd
     number of times per scope gets a different, still reproducible, sequence
     than it would if the cache were carried over."""
-    previous = {"python": random.getstate(), "numpy": get_bit_generator(), "torch": torch.get_rng_state()}
+    previous = current_streams(device)
     random.setstate(streams["python"])
     set_bit_generator(numpy_bit_generator(streams["numpy"]))
     torch.set_rng_state(streams["torch"])
     if device.type == "cuda":
-        previous["cuda"] = torch.cuda.get_rng_state(device)
         torch.cuda.set_rng_state(streams["cuda"], device)
     return previous
+
+
+def current_streams(device: torch.device) -> dict[str, Any]:
+    """The global random streams in the form :func:`swap_streams` returns
+    them (NumPy's legacy generator's bit generator itself, not a copy)."""
+    streams = {"python": random.getstate(), "numpy": get_bit_generator(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        streams["cuda"] = torch.cuda.get_rng_state(device)
+    return streams
 
 
 def copy_streams(streams: dict[str, Any]) -> dict[str, Any]:

@@ -75,6 +75,7 @@ class RunConfig:
     channels_last: bool = False
     compile: str = "off"
     client_streams: int = 1
+    stack_clients: bool = False
     eval_every: int = 1
     utility_lambda: float = 0.5
     link_mbps: float = 100.0

@@ -237,6 +237,9 @@ def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
 STEP_HOOKS = ("fedaval_classify", "fedaval_client_criterion", "fedaval_client_loss")
 """The fedaval hooks that act inside a training step; with the step captured only the core's may be."""
 
+STEP_SCOPE_WORDS = ("--cuda-graph-scope step captures the whole training step", "use --cuda-graph-scope features")
+"""How the refusals of a plugin acting inside a step begin and end, for the step scope."""
+
 MID_STEP_CALLBACKS = ("before_forward", "after_forward", "before_backward", "after_backward", "before_update")
 """Avalanche's callbacks between a step's start and its optimizer update."""
 
@@ -259,27 +262,37 @@ def check_scope(config, run) -> None:
             f"--cuda-graph-scope step needs --optimizer sgd, not {config.optimizer} (Adam's step count would be "
             "captured as a constant); use --cuda-graph-scope features"
         )
+    check_step_hooks(run, *STEP_SCOPE_WORDS)
+
+
+def check_step_hooks(run, what: str, instead: str) -> None:
+    """No plugin but the core implements a hook of :data:`STEP_HOOKS`: for
+    the options that compute a client's step as a whole (``what`` says how,
+    ``instead`` what to do), a one-line error naming the plugin otherwise."""
     from fedaval.core import CorePlugin
 
     for hook in STEP_HOOKS:
         for impl in getattr(run.hook, hook).get_hookimpls():
             if not isinstance(impl.plugin, CorePlugin):
-                raise FedavalUsageError(
-                    f"--cuda-graph-scope step captures the whole training step, and plugin {impl.plugin_name!r} "
-                    f"acts inside it ({hook}); use --cuda-graph-scope features"
-                )
+                raise FedavalUsageError(f"{what}, and plugin {impl.plugin_name!r} acts inside it ({hook}); {instead}")
 
 
 def check_step_plugins(config, strategy) -> None:
-    """With ``--cuda-graph-scope step``, a client's Avalanche plugins must
-    leave its steps alone, checked as the run is built. A captured step runs
-    Avalanche's callbacks between a step's start and its update after the
-    replay, in their order: right for plugins that only read there
-    (Avalanche's evaluator and its metrics, and any plugin whose class sets
-    ``fedaval_reads_inside_steps = True``, as fedaval's ``HookBridge`` does);
-    another plugin that overrides one of them may change the step, so it is
-    refused."""
-    if not (config.cuda_graphs and config.cuda_graph_scope == "step"):
+    """With ``--cuda-graph-scope step`` or ``--stack-clients``, a client's
+    Avalanche plugins must leave its steps alone, checked as the run is
+    built. Both run Avalanche's callbacks between a step's start and its
+    update after the step, in their order: right for plugins that only read
+    there (Avalanche's evaluator and its metrics, and any plugin whose class
+    sets ``fedaval_reads_inside_steps = True``, as fedaval's ``HookBridge``
+    does); another plugin that overrides one of them may change the step, so
+    it is refused."""
+    if config.cuda_graphs and config.cuda_graph_scope == "step":
+        what, instead = STEP_SCOPE_WORDS
+    elif config.stack_clients:
+        from fedaval.stacked import STACKED_WORDS
+
+        what, instead = STACKED_WORDS
+    else:
         return
     from avalanche.core import BaseSGDPlugin
     from avalanche.training.plugins import EvaluationPlugin
@@ -290,8 +303,7 @@ def check_step_plugins(config, strategy) -> None:
         changed = [cb for cb in MID_STEP_CALLBACKS if getattr(type(plugin), cb) is not getattr(BaseSGDPlugin, cb)]
         if changed:
             raise FedavalUsageError(
-                f"--cuda-graph-scope step captures the whole training step, and the Avalanche plugin "
-                f"{type(plugin).__name__} acts inside it ({changed[0]}); use --cuda-graph-scope features"
+                f"{what}, and the Avalanche plugin {type(plugin).__name__} acts inside it ({changed[0]}); {instead}"
             )
 
 

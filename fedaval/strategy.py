@@ -198,6 +198,10 @@ class FederatedStrategy(SupervisedTemplate):
 
     def _after_training(self, **kwargs):
         super()._after_training(**kwargs)
+        if self.client is not None and self.run.config.stack_clients:
+            for p in self.model.parameters():  # the last step's gradients: views of the stacked ones until now
+                if p.grad is not None and p.grad._base is not None:
+                    p.grad = p.grad.clone()
         if not self._trains_next_round():
             # --cuda-graphs: a graph holds its activations' memory; a client that idles next
             # round lets it go and captures anew when it trains again
@@ -210,24 +214,23 @@ class FederatedStrategy(SupervisedTemplate):
     def training_epoch(self, **kwargs):
         """Avalanche's (``SGDUpdate.training_epoch``); with ``--cuda-graph-scope
         step`` each iteration's work from ``zero_grad`` to the optimizer step
-        is one graph replay (:class:`fedaval.cuda_graphs.GraphedStep`), and
-        the callbacks between them run after it, in their order, with the
-        step's output and loss: the loop below is Avalanche's with that one
-        change. The run allows it only where no plugin acts inside a step
-        (``fedaval.cuda_graphs.check_scope``, and the strategy's Avalanche
-        plugins when the graph is made)."""
-        config = self.run.config
-        if self.client is None or not config.cuda_graphs or config.cuda_graph_scope != "step":
+        is one graph replay (:class:`fedaval.cuda_graphs.GraphedStep`), with
+        ``--stack-clients`` one share of the round's clients' stacked step
+        (:meth:`fedaval.stacked.Lockstep.step`), and the callbacks between
+        them run after it, in their order, with the step's output and loss:
+        the loop below is Avalanche's with that one change. The run allows
+        it only where no plugin acts inside a step
+        (``fedaval.cuda_graphs.check_step_hooks``, and the strategy's
+        Avalanche plugins when the run is built)."""
+        step = self._whole_step()
+        if step is None:
             return super().training_epoch(**kwargs)
-        graphed = getattr(self, "_graphed_step", None)
-        if graphed is None:
-            graphed = self._graphed_step = GraphedStep(self)
         for self.mbatch in self.dataloader:  # noqa: B020 (Avalanche's loop sets its minibatch so)
             if self._stop_training:
                 break
             self._unpack_minibatch()
             self._before_training_iteration(**kwargs)
-            self.mb_features, self.mb_output, self.loss = graphed.step(self, self.mb_x, self.mb_y)
+            self.mb_features, self.mb_output, self.loss = step(self, self.mb_x, self.mb_y)
             self._before_forward(**kwargs)
             self._after_forward(**kwargs)
             self._before_backward(**kwargs)
@@ -235,6 +238,23 @@ class FederatedStrategy(SupervisedTemplate):
             self._before_update(**kwargs)
             self._after_update(**kwargs)
             self._after_training_iteration(**kwargs)
+
+    def _whole_step(self):
+        """What computes a client's whole training step, ``step(strategy, x,
+        y) -> (features, logits, loss)``, or ``None`` for Avalanche's own."""
+        config = self.run.config
+        if self.client is None:
+            return None
+        if config.stack_clients:
+            from fedaval import stacked
+
+            return stacked.active().step
+        if not config.cuda_graphs or config.cuda_graph_scope != "step":
+            return None
+        graphed = getattr(self, "_graphed_step", None)
+        if graphed is None:
+            graphed = self._graphed_step = GraphedStep(self)
+        return graphed.step
 
     def _unpack_minibatch(self):
         super()._unpack_minibatch()

@@ -181,7 +181,9 @@ class _DeviceReads:
 
 class LocalBackend:
     """Every client in this process, one after the other, on ``--device``;
-    with ``--client-streams K`` on K CUDA streams (:mod:`fedaval.cuda_streams`)."""
+    with ``--client-streams K`` on K CUDA streams (:mod:`fedaval.cuda_streams`);
+    with ``--stack-clients`` in lockstep, their steps computed together
+    (:mod:`fedaval.stacked`)."""
 
     name = "local"
 
@@ -196,6 +198,8 @@ class LocalBackend:
         from fedaval.cuda_streams import ClientStreams
 
         extras = extras or {}
+        if run.config.stack_clients:
+            return self._stacked(run, client_ids, download, round, extras)
         streams = ClientStreams(run.device, run.config.client_streams)  # --client-streams: one stream, or K
         results = []
         for index, k in enumerate(client_ids):
@@ -204,6 +208,27 @@ class LocalBackend:
         streams.join()
         start = time.perf_counter()
         settle(results)  # the round's one wait for the device (see settle)
+        if results:
+            results[-1].seconds += time.perf_counter() - start
+        return results
+
+    @staticmethod
+    def _stacked(
+        run: Run, client_ids: list[int], download: dict[str, Any], round: int, extras: dict[int, dict[str, Any]]
+    ) -> list[ClientRound]:
+        """``--stack-clients``: the clients' rounds taking turns, their steps computed together (:mod:`fedaval.stacked`)."""
+        from fedaval.stacked import Lockstep
+
+        lockstep = Lockstep(run.device)
+
+        def work(k: int):
+            return lambda: client_round(run, run.clients[k], download, round, extras.get(k), settle_now=False)
+
+        results = lockstep.run([work(k) for k in client_ids])
+        for result, seconds in zip(results, lockstep.seconds):
+            result.seconds = seconds  # its own turns and its share of the stacked steps, not the round's span
+        start = time.perf_counter()
+        settle(results)
         if results:
             results[-1].seconds += time.perf_counter() - start
         return results

@@ -258,6 +258,14 @@ def cli() -> None:
     "(fedaval/cuda_streams.py).",
 )
 @click.option(
+    "--stack-clients",
+    is_flag=True,
+    help="Train a round's clients in lockstep, each step of all of them one computation (torch.func.vmap): "
+    "one step's kernel launches for all clients; each client's data order and random draws its own, "
+    "results equal to sequential ones up to the last bits; --backend local, SGD, and only where no plugin "
+    "acts inside a step (fedaval/stacked.py).",
+)
+@click.option(
     "--cuda-graph-scope",
     default="features",
     show_default=True,
