@@ -22,6 +22,9 @@
 #                     (--full-scale, STREAMS_S)
 #   throughput-compile.txt  the same with --compile inductor, without graphs and with the step graphed
 #                     (--full-scale, COMPILE_S)
+#   throughput-stacked.txt  the same without and with --stack-clients (a round's clients in lockstep, one
+#                     vmapped step for all), then gpu_ceilings.py's 10 models as one vmapped step (--full-scale, STACKED_S)
+#   stacked-tests.txt tests/test_stacked.py on CUDA (with graph-tests.txt)
 #   phase A, correctness, side by side (no timing in it):
 #     tests-cuda.txt  the suite (all but Ray) with its runs on the GPU (FEDAVAL_TEST_DEVICE=cuda,
 #                     deterministic algorithms), pytest-xdist workers
@@ -115,6 +118,9 @@ throughput() {
 graph_tests() {
     step "$1" graph-tests.txt env FEDAVAL_TEST_DEVICE=cuda OMP_NUM_THREADS=2 python3 -m pytest -q -rfE \
         -p no:cacheprovider tests/test_cuda_graphs.py tests/test_client_streams.py tests/test_compile.py -k gpu
+    # --stack-clients: every test of it on CUDA (each client's steps those it takes alone, its streams its own)
+    step "$1" stacked-tests.txt env FEDAVAL_TEST_DEVICE=cuda OMP_NUM_THREADS=2 python3 -m pytest -q -rfE \
+        -p no:cacheprovider tests/test_stacked.py
 }
 ceilings() {
     local limit=$1
@@ -170,6 +176,13 @@ if [ "${1:-}" = "--full-scale" ]; then
         # by default): whether several clients' kernels at once pass the one stream's bound
         [ "${STREAMS_S:-0}" = 0 ] || step "$STREAMS_S" throughput-streams.txt python3 benchmarks/round_throughput.py \
             --device cuda --cuda-graphs step --client-streams 1,2,5,10
+        # a round's clients in lockstep, each step of all of them one vmapped computation (STACKED_S, off by
+        # default): fedaval's rounds without and with --stack-clients, then the plain loops' ceiling of 10 models
+        # as one vmapped step, eager and graphed, beside one loop at batch 32 and the batch-320 limit
+        [ "${STACKED_S:-0}" = 0 ] || step "$STACKED_S" throughput-stacked.txt sh -c '
+            python3 benchmarks/round_throughput.py --device cuda --stack-clients off,on
+            python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes "" --graphed-processes "" \
+                --wait-every 0 --stacked 10'
         # the step graphed with --precision bf16, then with --channels-last too (BF16_S, off by default): fedaval's
         # fastest settings for item 3
         [ "${BF16_S:-0}" = 0 ] || step "$BF16_S" throughput-bf16.txt sh -c 'set -e

@@ -48,6 +48,11 @@ With ``--client-streams K`` (or several, ``1,2,5``: each run in this
 invocation) fedaval's rounds issue their clients on K CUDA streams
 (:mod:`fedaval.cuda_streams`): kernels of several clients may run at once.
 
+With ``--stack-clients on`` (or ``off,on``: without, then with, in this
+invocation) fedaval's rounds run with ``--stack-clients``
+(:mod:`fedaval.stacked`): the round's clients in lockstep, each training
+step of all of them one ``torch.func.vmap`` computation.
+
 With ``--compile BACKEND`` (or several, ``off,inductor``: each run in this
 invocation, with each ``--cuda-graphs`` run) fedaval's rounds run with ``--compile`` (each
 client's backbone through ``torch.compile``; with graphs, the step scope
@@ -181,6 +186,7 @@ def fedaval_config(args, root: str, out: Path, graphs: str | None, clients: int)
             channels_last=args.channels_last,
             compile=args.compile,
             client_streams=args.client_streams,
+            stack_clients=args.stack_clients == "on",
             seed=0,
             out=str(out),
         )
@@ -323,6 +329,12 @@ def main(argv=None) -> int:
         "each run in this invocation (1,5: before and after); CUDA only",
     )
     parser.add_argument(
+        "--stack-clients",
+        default="off",
+        help="fedaval's --stack-clients (off, on: a round's clients in lockstep, each step of all of them one "
+        "vmapped computation), or off,on: before and after in this invocation; not with graphs, compile or streams",
+    )
+    parser.add_argument(
         "--processes",
         type=int,
         default=1,
@@ -349,6 +361,9 @@ def main(argv=None) -> int:
     if args.processes > 1 and (args.profile or args.data_root is not None):
         parser.error("--processes takes neither --profile nor --data-root (each process makes its own subset)")
     compiles = args.compile.split(",")
+    stacks = args.stack_clients.split(",")
+    if not set(stacks) <= {"off", "on"}:
+        parser.error(f"--stack-clients {args.stack_clients}: off, on, or off,on")
     try:
         client_streams = [int(k) for k in args.client_streams.split(",")]
     except ValueError:
@@ -380,8 +395,8 @@ def main(argv=None) -> int:
         flush=True,
     )
     rates = {}
-    runs = [(c, k, g) for c in compiles for k in client_streams for g in GRAPHS[args.cuda_graphs]]
-    for args.compile, args.client_streams, graphs in runs:
+    runs = [(c, k, g, st) for c in compiles for k in client_streams for g in GRAPHS[args.cuda_graphs] for st in stacks]
+    for args.compile, args.client_streams, graphs, args.stack_clients in runs:
         label = (
             "fedaval"
             + {None: "", "features": " --cuda-graphs", "step": " --cuda-graphs --cuda-graph-scope step"}[graphs]
@@ -389,6 +404,7 @@ def main(argv=None) -> int:
             + (" --channels-last" if args.channels_last else "")
             + ("" if args.compile == "off" else f" --compile {args.compile}")
             + ("" if args.client_streams == 1 else f" --client-streams {args.client_streams}")
+            + (" --stack-clients" if args.stack_clients == "on" else "")
         )
         if args.processes > 1:
             label += f" in {args.processes} processes"

@@ -12,8 +12,9 @@ and callbacks and fedaval's hooks. With ``--cuda-graphs`` a ResNet-18 step
 on a GPU is bound by exactly that work (docs/performance.md, "On a GPU",
 item 3): this benchmark measures it apart from the model.
 
-* **fedaval**: FedAvg on digits, fcil-sync with ``--clients`` clients and
-  one task, every client every round, ``--local-epochs`` 5 at batch 32, SGD
+* **fedaval**: FedAvg on digits (or ``--dataset cifar``: the CIFAR-10
+  subset, ``--train-per-class`` images a class, split evenly by Dirichlet
+  alpha 1e6), fcil-sync with ``--clients`` clients and one task, every client every round, ``--local-epochs`` 5 at batch 32, SGD
   with momentum 0.9, no augmentation, evaluation at the last round only, no
   checkpoint; per step, the median over rounds 2 to R-1 of the clients'
   local training seconds (their ``train()`` calls, receiving and uploading
@@ -33,6 +34,12 @@ item 3): this benchmark measures it apart from the model.
   eager one. With ``--cuda-graph-scope step`` both sides capture the whole
   step, SGD update included (fedaval's ``GraphedStep``, the plain loop
   through ``gpu_ceilings.whole_step_graph``).
+
+With ``--stack-clients`` fedaval's side trains each round's clients in
+lockstep (:mod:`fedaval.stacked`), one vmapped step for all of them: its
+time per step is the round's local seconds over all clients' steps, the
+host's work per client's step (the clients' turns interleave, so no client
+round has a span of its own to print).
 
 The two alternate ``--repeats`` times in this one process; printed: the
 median microseconds per step of each, their difference (fedaval's own host
@@ -141,8 +148,13 @@ def fedaval_config(args, out: Path):
         RunConfig(
             plugins=["fedavg"],
             scenario="fcil-sync",
-            scenario_options={"clients": args.clients, "tasks": 1},
-            dataset="digits",
+            scenario_options={
+                "clients": args.clients,
+                "tasks": 1,
+                **({"alpha": 1e6} if args.dataset == "cifar" else {}),
+            },
+            dataset="digits" if args.dataset == "digits" else "imagefolder",
+            data_root=data_root(args),
             rounds_per_task=args.rounds,
             local_epochs=args.local_epochs,
             batch_size=args.batch_size,
@@ -154,10 +166,20 @@ def fedaval_config(args, out: Path):
             device=args.device,
             cuda_graphs=args.cuda_graphs or args.null_graphs,
             cuda_graph_scope="step" if args.null_graphs else args.cuda_graph_scope,
+            stack_clients=args.stack_clients,
             seed=0,
             out=str(out),
         )
     )
+
+
+def data_root(args) -> str | None:
+    """``--dataset cifar``: the shared CIFAR-10 subset of ``--train-per-class`` images a class."""
+    if args.dataset == "digits":
+        return None
+    from cifar_data import cifar_subset
+
+    return str(cifar_subset(args.train_per_class, 10))
 
 
 def null_capture(step):
@@ -198,19 +220,24 @@ def fedaval_step_seconds(args, out: Path) -> tuple[float, float]:
     records = timed.records[1:-1]  # the first round sets up, the last evaluates
     if not records:
         raise SystemExit("--rounds must be at least 3 (the first and the last round are not timed)")
+    per_step = statistics.median(r["seconds_local"] for r in records) / steps
+    if args.stack_clients:  # the clients' turns interleave: no client has a span of its own
+        return per_step, math.nan
     outside = [(r["seconds_local"] - sum(spans.spans[r["round"]])) / len(r["clients"]) for r in records]
-    return statistics.median(r["seconds_local"] for r in records) / steps, statistics.median(outside)
+    return per_step, statistics.median(outside)
 
 
 def plain_loop(args, device: torch.device):
     """The plain side: ``steps(n)`` runs n training steps."""
     from fedaval.datasets import load_dataset
 
-    data = load_dataset("digits", None, False)
+    data = load_dataset("digits" if args.dataset == "digits" else "imagefolder", data_root(args), False)
     model = many_small_parameters(data.input_shape, data.num_classes, layers=args.layers).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
     images, labels = data.train_x.to(device), data.train_y.to(device)
+    if not images.is_floating_point():  # an image folder's bytes: once as floats (fedaval scales per minibatch)
+        images = images.float() / 255
     batch = images[: args.batch_size].clone(), labels[: args.batch_size].clone()  # a graph's static inputs
     if args.cuda_graphs and args.cuda_graph_scope == "features":  # as GraphedFeatures: the backbone's passes
         model.features = torch.cuda.make_graphed_callables(model.features, (batch[0],))
@@ -313,6 +340,14 @@ def main(argv=None) -> int:
         help="with --cuda-graphs: what both sides capture (the backbone, or the whole step with the SGD update)",
     )
     parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument(
+        "--dataset",
+        choices=["digits", "cifar"],
+        default="digits",
+        help="digits (clients of unequal data), or the CIFAR-10 subset split evenly (Dirichlet alpha 1e6), as in "
+        "item 3's setting: with --stack-clients every step of a round is one group",
+    )
+    parser.add_argument("--train-per-class", type=int, default=100, help="with --dataset cifar: images a class")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--local-epochs", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=6, help="rounds of fedaval's run (the first and last untimed)")
@@ -333,6 +368,12 @@ def main(argv=None) -> int:
         "work per step around a replay (fedaval with --cuda-graph-scope step); not with --cuda-graphs",
     )
     parser.add_argument(
+        "--stack-clients",
+        action="store_true",
+        help="fedaval's side with --stack-clients: a round's clients in lockstep, each step of all of them one "
+        "vmapped computation; its time per step is then per client's step (no per-client span: n/a)",
+    )
+    parser.add_argument(
         "--count-ops",
         action="store_true",
         help="then count each side's ATen operations per step (fedaval's by file), untimed",
@@ -346,20 +387,23 @@ def main(argv=None) -> int:
     args.device = str(device)
     if args.cuda_graphs and args.null_graphs:
         parser.error("--null-graphs stands in for the graphs: not with --cuda-graphs")
+    if args.stack_clients and (args.cuda_graphs or args.null_graphs or args.count_ops):
+        parser.error("--stack-clients runs eagerly, uncounted: not with --cuda-graphs, --null-graphs or --count-ops")
     if args.cuda_graphs and device.type != "cuda":
         parser.error(f"--cuda-graphs needs a CUDA device; --device is {device}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
     print(f"device: {device} ({name}); load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(
         f"model: a linear layer and {args.layers} scale-and-shift layers ({2 + 2 * args.layers} backbone "
-        "parameters); digits, "
+        f"parameters); {args.dataset}, "
         f"{args.clients} clients, batch {args.batch_size}; fedaval"
         + (f" --cuda-graphs --cuda-graph-scope {args.cuda_graph_scope}" if args.cuda_graphs else "")
         + (
             " --cuda-graph-scope step, every graph a replay that does nothing (--null-graphs)"
             if args.null_graphs
             else ""
-        ),
+        )
+        + (" --stack-clients (its time per step: per client's step)" if args.stack_clients else ""),
         flush=True,
     )
     fedaval_us, plain_us, outside_ms = [], [], []

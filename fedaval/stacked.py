@@ -27,9 +27,14 @@ How a round runs (:class:`Lockstep`, used by the in-process backend):
   minibatch and parameters), each client's loss is its own strategy's
   criterion, the backward runs once on their sum (so each client's gradient
   is its own), and PyTorch's SGD (``torch.optim.sgd.sgd``, elementwise)
-  updates the stacked tensors, which are then copied back. A client with
-  fewer minibatches finishes earlier; its epoch's smaller last batch is
-  stepped in a group of its own shape;
+  updates the stacked tensors. The stack is made when a group first steps
+  (the clients' values copied in) and each client's own tensors become
+  views of its rows (:class:`_Stack`), so later steps of the same group
+  copy nothing in or out; a client's tensors are copied out again when its
+  training ends, before its upload, with its last step's gradients. A
+  client with fewer minibatches finishes earlier; an epoch's smaller last
+  batch is stepped in a group of its own shape (a new stack while the
+  groups differ);
 * each client's random streams are its own, as in sequential rounds:
   they are swapped out while it waits at a step and back in when it goes
   on, so every draw (data order, augmentation, a plugin's sampling) comes
@@ -67,6 +72,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,15 +103,17 @@ def check(config: RunConfig, run: Run) -> None:
             f"--stack-clients needs --optimizer sgd, not {config.optimizer} (its update is PyTorch's SGD on the "
             "stacked parameters); run without --stack-clients"
         )
+    if config.cuda_graphs and config.cuda_graph_scope != "step":
+        raise FedavalUsageError(
+            "--stack-clients with --cuda-graphs captures the whole stacked step (forward, backward and update); "
+            "give --cuda-graph-scope step"
+        )
     for option, used in (
-        ("--cuda-graphs", config.cuda_graphs),
         (f"--compile {config.compile}", config.compile != "off"),
         (f"--client-streams {config.client_streams}", config.client_streams != 1),
     ):
         if used:
-            raise FedavalUsageError(
-                f"--stack-clients runs its stacked steps eagerly; it does not combine with {option}"
-            )
+            raise FedavalUsageError(f"--stack-clients does not combine with {option}; run without one of them")
     from fedaval.cuda_graphs import check_step_hooks
 
     check_step_hooks(run, *STACKED_WORDS)
@@ -127,10 +135,14 @@ class Lockstep:
     (see the module). :meth:`run` runs the clients' rounds; each client's
     strategy calls :meth:`step` for each of its training steps."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stacks: Stacks | None = None, graphs: bool = False):
         from fedaval.client import current_streams
 
         self.device = device
+        self.graphs = graphs  # --cuda-graphs: each stack's step replayed from a CUDA graph
+        self.stacks = Stacks() if stacks is None else stacks
+        if device.type == "cuda":
+            self._cuda_index = torch.cuda.current_device() if device.index is None else device.index
         self.outside = current_streams(device)  # the global streams whenever no client runs
         self.seconds: list[float] = []
         self.steps = 0  # stacked computations made
@@ -141,6 +153,8 @@ class Lockstep:
         self._streams: dict[int, dict[str, Any]] = {}
         self._outcomes: dict[int, Any] = {}
         self._slots: dict[int, int] = {}  # thread ident -> slot
+        self._structures: dict[Any, tuple] = {}  # strategy -> (its model's structure, its parameters)
+        self._members: dict[Any, _Stack] = {}  # strategy -> the stack its tensors are views of
         self._since = 0.0
         self._error: BaseException | None = None
 
@@ -173,6 +187,7 @@ class Lockstep:
             raise
         finally:
             _active = None
+            self._release_all()  # clients that failed mid-training
         if self._error is not None:
             raise self._error
         return results
@@ -198,8 +213,8 @@ class Lockstep:
     # --- turns --------------------------------------------------------------
     def _client(self, slot: int, work: Callable[[], Any], results: list[Any]) -> None:
         self._slots[threading.get_ident()] = slot
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # a new thread's current device is the first GPU
+        if self.device.type == "cuda":  # a new thread's current device is the first GPU, not the caller's
+            torch.cuda.set_device(self._cuda_index)
         try:
             with self._cond:
                 self._wait_turn(slot)
@@ -244,16 +259,29 @@ class Lockstep:
             self._cond.notify_all()
 
     # --- the stacked step ---------------------------------------------------
+    def release(self, strategy) -> None:
+        """``strategy``'s client has finished training: its tensors become its
+        own again (copies of its rows of the stack), and its parameters get
+        its last step's gradients, as after an eager step."""
+        stack = self._members.pop(strategy, None)
+        if stack is not None:
+            stack.release(strategy)
+
+    def _release_all(self) -> None:
+        for strategy in list(self._members):
+            self.release(strategy)
+
     def _compute(self) -> None:
         """Every waiting client's step, one stacked computation per group."""
         groups: dict[tuple, list[int]] = {}
         for slot, (strategy, x, y) in self._waiting.items():
-            groups.setdefault(_group_key(strategy, x, y), []).append(slot)
+            groups.setdefault(self._key(strategy, x, y), []).append(slot)
         for slots in groups.values():
             start = time.perf_counter()
+            entries = [self._waiting[s] for s in slots]
             outputs: list[Any]
             try:
-                outputs = stacked_step([self._waiting[s] for s in slots])
+                outputs = self._stack(tuple(slots), [entry[0] for entry in entries]).step(entries)
             except FedavalUsageError as exc:
                 self._error = exc  # the same in every round: stops the run
                 return
@@ -267,22 +295,80 @@ class Lockstep:
         self._waiting.clear()
         self._since = time.perf_counter()
 
+    def _key(self, strategy, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """What clients stepped as one computation must share: the batch's
+        shape, the model's structure (made once a round: a model changes its
+        parameters between rounds, not within one), which parameters train,
+        the optimizer's hyperparameters, the model's mode."""
+        model, optimizer = strategy.model, strategy.optimizer
+        known = self._structures.get(strategy)
+        if known is None:
+            known = self._structures[strategy] = (_structure(model), list(model.parameters()))
+        structure, params = known
+        return (
+            tuple(x.shape),
+            x.dtype,
+            tuple(y.shape),
+            y.dtype,
+            structure,
+            tuple(map(_REQUIRES_GRAD, params)),
+            tuple(tuple((k, v) for k, v in sorted(g.items()) if k != "params") for g in optimizer.param_groups),
+            model.training,
+        )
 
-def _group_key(strategy, x: torch.Tensor, y: torch.Tensor) -> tuple:
-    """What clients stepped as one computation must share."""
-    model, optimizer = strategy.model, strategy.optimizer
+    def _stack(self, slots: tuple[int, ...], strategies: list) -> _Stack:
+        """The stack of these clients (:class:`Stacks`), their current
+        values in it and their tensors its views."""
+        structure = self._structures[strategies[0]][0]
+        stack = self.stacks.get(tuple(s.client.id for s in strategies), structure, strategies)
+        if not stack.valid(strategies):
+            stack.adopt(strategies)
+        for strategy in strategies:
+            self._members[strategy] = stack
+        stack.graphed = self.graphs
+        return stack
+
+
+MAX_STACKS = 4
+"""Stacks the in-process backend keeps (:class:`Stacks`)."""
+
+
+class Stacks:
+    """The stacks of a run's client groups, kept by the in-process backend
+    from round to round, so that the same clients stepping together again
+    (every round in item 3's setting) reuse the stack's memory and its CUDA
+    graphs: their values are copied in (:meth:`_Stack.adopt`), nothing is
+    allocated or captured again. At most :data:`MAX_STACKS`, the least
+    recently used forgotten first (sampled clients make a new group nearly
+    every round; an epoch's last, smaller batches may step in groups of
+    their own)."""
+
+    def __init__(self):
+        self._kept: dict[tuple, _Stack] = {}
+
+    def get(self, ids: tuple[int, ...], structure: tuple, strategies: list) -> _Stack:
+        key = (ids, structure)
+        stack = self._kept.pop(key, None)
+        if stack is None:
+            stack = _Stack(strategies)
+        self._kept[key] = stack  # the most recently used last
+        while len(self._kept) > MAX_STACKS:
+            self._kept.pop(next(iter(self._kept)))
+        return stack
+
+
+def _structure(model: torch.nn.Module) -> tuple:
     return (
-        tuple(x.shape),
-        x.dtype,
-        tuple(y.shape),
-        y.dtype,
         type(model),
-        tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
+        tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()),
         tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()),
-        tuple(tuple((k, v) for k, v in sorted(g.items()) if k != "params") for g in optimizer.param_groups),
-        tuple(len(g["params"]) for g in optimizer.param_groups),
-        model.training,
     )
+
+
+_REQUIRES_GRAD = attrgetter("requires_grad")
+
+MAX_STEP_GRAPHS = 2
+"""Graphs a stack keeps, one per batch shape: the full batch and the epoch's last, smaller one."""
 
 
 class _Split(torch.nn.Module):
@@ -299,101 +385,308 @@ class _Split(torch.nn.Module):
         return features, model.classifier(features)
 
 
-def stacked_step(entries: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> list[tuple]:
-    """One SGD step of each ``(strategy, x, y)`` of ``entries`` (clients with
-    the same :func:`_group_key`), computed as one: see the module. Returns
-    each client's ``(features, logits, loss)``, detached."""
-    from torch.func import functional_call, vmap
-    from torch.optim.sgd import sgd
+class _Stack:
+    """Clients' parameters, buffers and momentum buffers stacked along a
+    first dimension, one row per client, each client's own tensors views of
+    its rows (:meth:`adopt`): a stacked SGD step updates every client's
+    tensors in place, with no copy in or out. The stack is valid while every
+    client tensor is still its view (:meth:`valid`); a client leaves it with
+    :meth:`release`, which copies its tensors out; the stack's memory stays,
+    for the same clients to be adopted again.
 
-    strategies = [entry[0] for entry in entries]
-    first = strategies[0]
-    models = [s.model for s in strategies]
-    named = [dict(m.named_parameters()) for m in models]
-    buffers_of = [dict(m.named_buffers()) for m in models]
-    with torch.no_grad():
-        params = {f"model.{n}": torch.stack([p[n] for p in named]) for n in named[0]}
-        buffers = {f"model.{n}": torch.stack([b[n] for b in buffers_of]) for n in buffers_of[0]}
-    trained = [n for n, p in named[0].items() if p.requires_grad]
-    for n in trained:
-        params[f"model.{n}"].requires_grad_(True)
-    split = _Split(first.model)
+    Momentum: a row whose client has no momentum buffer gets zeros, and the
+    client's buffer becomes that row. SGD's first step from zeros, ``0 *
+    momentum + g``, is the gradient, as its first step from no buffer
+    (fedaval's dampening is 0; only the sign of a zero may differ). Before
+    the first client has one, the stack holds none and the first step makes
+    them as SGD does.
 
-    def one(p: dict, b: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return functional_call(split, (p, b), (x,))
+    With ``graphed`` (``--cuda-graphs``) the whole step is replayed from one
+    CUDA graph per batch shape (at most :data:`MAX_STEP_GRAPHS`), captured
+    as :class:`fedaval.cuda_graphs.GraphedStep` captures a client's: warm-up
+    forward and backward passes whose effect is undone, the momentum
+    buffers made first (the graph updates them in place), and the stack's
+    values put back after the capture."""
 
-    xs = torch.stack([entry[1] for entry in entries])
-    try:
-        with first._precision():
-            features, logits = vmap(one, randomness="error")(params, buffers, xs)
-    except RuntimeError as exc:
-        if "randomness" not in str(exc):
-            raise
-        raise FedavalUsageError(
-            f"--stack-clients: the model {type(first.model).__name__} draws random numbers in training "
-            "(dropout), which one computation for all clients cannot draw from each client's stream; run without it"
-        ) from None
-    losses = []
-    for k, strategy in enumerate(strategies):
-        strategy.mb_output = logits[k]
-        losses.append(strategy._make_empty_loss() + strategy.criterion())
-    torch.stack(losses).sum().backward()
-    _sgd_update(strategies, named, params, trained, sgd)
-    with torch.no_grad():
-        copies_to = [named[k][n] for n in trained for k in range(len(models))]
-        copies_from = [t for n in trained for t in params[f"model.{n}"].detach().unbind(0)]
-        for n in buffers_of[0]:
-            copies_to += [b[n] for b in buffers_of]
-            copies_from += list(buffers[f"model.{n}"].unbind(0))
-        torch._foreach_copy_(copies_to, copies_from)
-    for n in trained:
-        stacked_grad = params[f"model.{n}"].grad
-        if stacked_grad is None:  # not in the loss: no gradient, as after an eager step
-            continue
-        for k, grad in enumerate(stacked_grad.unbind(0)):
-            named[k][n].grad = grad  # as after an eager step; cloned when the client's training ends
-    return [(features[k].detach(), logits[k].detach(), losses[k].detach()) for k in range(len(models))]
+    def __init__(self, strategies: list):
+        models = [s.model for s in strategies]
+        self.param_keys = [f"model.{n}" for n, _ in models[0].named_parameters()]
+        self.buffer_keys = [f"model.{n}" for n, _ in models[0].named_buffers()]
+        with torch.no_grad():  # stacked as the clients' tensors are laid out (channels-last weights: rows in NHWC)
+            self.params = [torch.stack(rows) for rows in zip(*(m.parameters() for m in models))]
+            self.buffers = [torch.stack(rows) for rows in zip(*(m.buffers() for m in models))]
+        self.momenta: list[torch.Tensor | None] = [None] * len(self.params)
+        self.graphed = False
+        self._graphs: dict[tuple, _StackGraph] = {}
+        self.strategies: list = []
+        self._pointers: tuple = ()
+        self.adopt(strategies)
 
-
-def _sgd_update(strategies, named, params, trained, sgd) -> None:
-    """PyTorch's SGD step, per parameter group, on the stacked parameters and
-    momentum buffers (elementwise: each client's own update); the clients'
-    momentum buffers updated."""
-    name_of = {id(p): n for n, p in named[0].items()}
-    for group in strategies[0].optimizer.param_groups:
-        names = [name_of[id(p)] for p in group["params"]]
-        names = [n for n in names if n in trained and params[f"model.{n}"].grad is not None]
-        if not names:
-            continue
-        buffers: list[torch.Tensor | None] = []
-        for n in names:
-            held = [s.optimizer.state.get(named[k][n], {}).get("momentum_buffer") for k, s in enumerate(strategies)]
-            if all(b is None for b in held):
-                buffers.append(None)  # SGD's first step: the buffer is the gradient
-            else:
-                buffers.append(
-                    torch.stack([torch.zeros_like(named[k][n]) if b is None else b for k, b in enumerate(held)])
-                )
+    # --- the clients' tensors as views ------------------------------------------
+    def adopt(self, strategies: list) -> None:
+        """The clients' current values copied into the stack and their
+        tensors made views of its rows (their momentum buffers too: zeros
+        where a client has none, when the stack holds momentum buffers)."""
+        self.strategies = list(strategies)
+        self.client_params = [list(s.model.parameters()) for s in strategies]
+        self.client_buffers = [list(s.model.buffers()) for s in strategies]
+        self._split = _Split(strategies[0].model)
+        self._index = {id(p): i for i, p in enumerate(self.client_params[0])}
+        rows: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        zeros: list[torch.Tensor] = []
+        for k in range(len(strategies)):
+            rows += [stacked[k] for stacked in (*self.params, *self.buffers)]
+            values += [*self.client_params[k], *self.client_buffers[k]]
+        for i in range(len(self.params)):
+            held = [self._momentum_of(k, i) for k in range(len(strategies))]
+            if self.momenta[i] is None and any(b is not None for b in held):
+                self.momenta[i] = torch.zeros_like(self.params[i])
+                self._graphs.clear()  # captured without this buffer
+            momenta = self.momenta[i]
+            if momenta is not None:
+                for k, b in enumerate(held):
+                    if b is None:
+                        zeros.append(momenta[k])
+                    else:
+                        rows.append(momenta[k])
+                        values.append(b)
         with torch.no_grad():
-            sgd(
-                [params[f"model.{n}"] for n in names],
-                [params[f"model.{n}"].grad for n in names],
-                buffers,
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                lr=group["lr"],
-                dampening=group["dampening"],
-                nesterov=group["nesterov"],
-                maximize=group["maximize"],
-            )
-        if group["momentum"] == 0:
-            continue
-        for n, stacked in zip(names, buffers):
-            assert stacked is not None, "SGD with momentum made every buffer"
-            for k, strategy in enumerate(strategies):
-                state = strategy.optimizer.state[named[k][n]]
-                held = state.get("momentum_buffer")
-                if held is None:
-                    state["momentum_buffer"] = stacked[k].clone()
-                else:
-                    held.copy_(stacked[k])
+            # a client still a view of this stack's row is there already (copying a tensor onto itself
+            # in one foreach call is not allowed)
+            pairs = [(row, value) for row, value in zip(rows, values) if row.data_ptr() != value.data_ptr()]
+            if pairs:
+                torch._foreach_copy_([row for row, _ in pairs], [value for _, value in pairs])
+            if zeros:
+                torch._foreach_zero_(zeros)
+            for k in range(len(strategies)):
+                for p, stacked in zip(self.client_params[k], self.params):
+                    p.data = stacked[k]
+                for b, stacked in zip(self.client_buffers[k], self.buffers):
+                    b.data = stacked[k]
+        for i, stacked in enumerate(self.momenta):
+            if stacked is not None:
+                self._point_momenta(i, stacked)
+        self._pointers = self.pointers()
+
+    def _momentum_of(self, k: int, i: int) -> torch.Tensor | None:
+        state = self.strategies[k].optimizer.state.get(self.client_params[k][i])
+        return None if state is None else state.get("momentum_buffer")
+
+    def _point_momenta(self, i: int, stacked: torch.Tensor) -> None:
+        for k, strategy in enumerate(self.strategies):
+            strategy.optimizer.state[self.client_params[k][i]]["momentum_buffer"] = stacked[k]
+
+    def pointers(self) -> tuple:
+        """Where every client tensor's memory is: the stack's rows while it is valid."""
+        count = len(self.strategies)
+        tensors = [t for k in range(count) for t in (*self.client_params[k], *self.client_buffers[k])]
+        momenta = [self._momentum_of(k, i) for k in range(count) for i in range(len(self.params))]
+        return (
+            tuple(map(torch.Tensor.data_ptr, tensors)),
+            tuple(0 if m is None else m.data_ptr() for m in momenta),
+        )
+
+    def valid(self, strategies: list) -> bool:
+        same = len(strategies) == len(self.strategies) and all(a is b for a, b in zip(strategies, self.strategies))
+        if not same:
+            return False
+        for strategy, known in zip(strategies, self.client_params):  # a client with new parameter objects
+            params = list(strategy.model.parameters())
+            if len(params) != len(known) or any(a is not b for a, b in zip(params, known)):
+                return False
+        return self.pointers() == self._pointers
+
+    def release(self, strategy) -> None:
+        """``strategy``'s tensors copied out of the stack (which is then no
+        longer valid for it), its parameters given their last step's gradients."""
+        k = next(k for k, s in enumerate(self.strategies) if s is strategy)
+        state = strategy.optimizer.state
+        with torch.no_grad():
+            for i, (p, stacked) in enumerate(zip(self.client_params[k], self.params)):
+                p.data = p.data.clone()
+                if stacked.grad is not None:
+                    p.grad = stacked.grad[k].clone()
+                momentum = self._momentum_of(k, i)
+                if momentum is not None:
+                    state[p]["momentum_buffer"] = momentum.clone()
+            for b in self.client_buffers[k]:
+                b.data = b.data.clone()
+
+    # --- the step ---------------------------------------------------------------
+    def step(self, entries: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> list[tuple]:
+        """One SGD step of each client on its ``(x, y)`` (in the stack's
+        order): see the module. Returns each client's ``(features, logits,
+        loss)``, detached."""
+        flags = tuple(map(_REQUIRES_GRAD, self.client_params[0]))
+        for stacked, flag in zip(self.params, flags):
+            if stacked.requires_grad != flag:
+                stacked.requires_grad_(flag)
+        if not self.graphed:
+            for stacked in self.params:
+                stacked.grad = None  # as zero_grad(set_to_none=True)
+            xs, ys = torch.stack([e[1] for e in entries]), torch.stack([e[2] for e in entries])
+            features, logits, losses = self._forward(xs, ys)
+            losses.sum().backward()
+            self._update()
+            features, logits, losses = features.detach(), logits.detach(), losses.detach()
+        else:
+            features, logits, losses = self._replay(entries, flags)
+        return [(features[k], logits[k], losses[k : k + 1]) for k in range(len(entries))]
+
+    def _forward(self, xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every client's features and logits (one vmapped forward through
+        its own rows) and its loss (its own strategy's: Avalanche's empty
+        loss plus the criterion, on its rows of ``xs`` and ``ys``)."""
+        from torch.func import functional_call, vmap
+
+        strategies, split = self.strategies, self._split
+
+        def one(p: dict, b: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return functional_call(split, (p, b), (x,))
+
+        params, buffers = dict(zip(self.param_keys, self.params)), dict(zip(self.buffer_keys, self.buffers))
+        try:
+            with strategies[0]._precision():
+                features, logits = vmap(one, randomness="error")(params, buffers, xs)
+        except RuntimeError as exc:
+            if "randomness" not in str(exc):
+                raise
+            raise FedavalUsageError(
+                f"--stack-clients: the model {type(strategies[0].model).__name__} draws random numbers in "
+                "training (dropout), which one computation for all clients cannot draw from each client's "
+                "stream; run without it"
+            ) from None
+        losses = []
+        for k, strategy in enumerate(strategies):
+            saved = strategy.mbatch
+            strategy.mbatch = [xs[k], ys[k], *saved[2:]]  # the criterion reads the step's labels (mb_y)
+            strategy.mb_output = logits[k]
+            try:
+                losses.append(strategy._make_empty_loss() + strategy.criterion())
+            finally:
+                strategy.mbatch = saved
+        return features, logits, torch.cat(losses)
+
+    def _update(self) -> None:
+        """PyTorch's SGD step (``torch.optim.sgd.sgd``), per parameter group
+        of the first client's optimizer (every client's has the same
+        hyperparameters: the group key), on the stacked parameters and
+        momentum buffers: elementwise, so each client's own update."""
+        from torch.optim.sgd import sgd
+
+        for group in self.strategies[0].optimizer.param_groups:
+            rows = [self._index[id(p)] for p in group["params"]]
+            rows = [i for i in rows if self.params[i].grad is not None]
+            if not rows:
+                continue
+            momenta = [self.momenta[i] for i in rows]
+            with torch.no_grad():
+                sgd(
+                    [self.params[i] for i in rows],
+                    [self.params[i].grad for i in rows],  # type: ignore[misc]  # not None: filtered above
+                    momenta,
+                    weight_decay=group["weight_decay"],
+                    momentum=group["momentum"],
+                    lr=group["lr"],
+                    dampening=group["dampening"],
+                    nesterov=group["nesterov"],
+                    maximize=group["maximize"],
+                )
+            if group["momentum"] == 0:
+                continue
+            for i, stacked in zip(rows, momenta):
+                if self.momenta[i] is None and stacked is not None:  # made by this first step
+                    self.momenta[i] = stacked
+                    self._point_momenta(i, stacked)
+                    self._pointers = self.pointers()
+
+    # --- the step as one CUDA graph (--cuda-graphs) -----------------------------------
+    def _replay(self, entries: list, flags: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y = entries[0][1], entries[0][2]
+        groups = self.strategies[0].optimizer.param_groups
+        hyper = tuple(tuple((k, v) for k, v in sorted(g.items()) if k != "params") for g in groups)
+        key = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, flags, hyper, len(entries))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(entries)
+            if len(self._graphs) >= MAX_STEP_GRAPHS:
+                largest = max(self._graphs, key=lambda k: k[0][0])
+                self._graphs = {largest: self._graphs[largest]}
+            self._graphs[key] = graph
+        torch.stack([e[1] for e in entries], out=graph.xs)
+        torch.stack([e[2] for e in entries], out=graph.ys)
+        graph.replay()
+        for stacked, grad in zip(graph.trained, graph.grads):
+            stacked.grad = grad  # the step's gradients, as after an eager step
+        # the caller's own copies: the next replay writes the static outputs again
+        return graph.features.clone(), graph.logits.clone(), graph.losses.clone()
+
+    def _capture(self, entries: list) -> _StackGraph:
+        from fedaval.cuda_graphs import WARMUP_STEPS, _rng_state, _set_rng_state, _side_stream
+
+        device = self.params[0].device
+        for group in self.strategies[0].optimizer.param_groups:  # the graph updates them in place
+            if group["momentum"] != 0:
+                for p in group["params"]:
+                    i = self._index[id(p)]
+                    if self.momenta[i] is None:
+                        made = self.momenta[i] = torch.zeros_like(self.params[i])
+                        self._point_momenta(i, made)
+        self._pointers = self.pointers()
+        xs, ys = torch.stack([e[1] for e in entries]), torch.stack([e[2] for e in entries])
+        kept = [*self.params, *self.buffers, *(m for m in self.momenta if m is not None)]
+        with torch.no_grad():
+            saved = [t.detach().clone() for t in kept]
+        rng = _rng_state(device)
+
+        def step() -> tuple[torch.Tensor, ...]:
+            for stacked in self.params:
+                stacked.grad = None  # the backward writes each gradient afresh, as after zero_grad()
+            features, logits, losses = self._forward(xs, ys)
+            losses.sum().backward()
+            grads = [t.grad for t in self.params if t.grad is not None]
+            self._update()
+            return (features, logits, losses, *grads)
+
+        try:
+            with _side_stream(device):
+                for _ in range(WARMUP_STEPS):
+                    for stacked in self.params:
+                        stacked.grad = None
+                    self._forward(xs, ys)[2].sum().backward()
+            trained = [t for t in self.params if t.grad is not None]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            replay, outputs = capture(step)
+        except FedavalUsageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a capture that fails fails the same in every round
+            raise FedavalUsageError(
+                f"--stack-clients with --cuda-graphs: capturing the stacked step failed "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); run without --cuda-graphs"
+            ) from None
+        finally:
+            with torch.no_grad():  # the warm-up's BatchNorm updates, and a stand-in capture's step, undone
+                for t, value in zip(kept, saved):
+                    t.copy_(value)
+            _set_rng_state(rng, device)
+        features, logits, losses, *grads = outputs
+        return _StackGraph(xs, ys, replay, features, logits, losses, trained, grads)
+
+
+class _StackGraph:
+    """One captured stacked step: its static inputs and outputs, the stacked
+    parameters it trains and the gradients its backward writes for them."""
+
+    def __init__(self, xs, ys, replay, features, logits, losses, trained, grads):
+        self.xs, self.ys, self.replay = xs, ys, replay
+        self.features, self.logits, self.losses = features.detach(), logits.detach(), losses.detach()
+        self.trained, self.grads = trained, grads
+
+
+def capture(step: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
+    """``step`` captured as one CUDA graph (:func:`fedaval.cuda_graphs.cuda_capture`); tests stand in for it."""
+    from fedaval.cuda_graphs import cuda_capture
+
+    return cuda_capture(step)

@@ -199,9 +199,9 @@ class FederatedStrategy(SupervisedTemplate):
     def _after_training(self, **kwargs):
         super()._after_training(**kwargs)
         if self.client is not None and self.run.config.stack_clients:
-            for p in self.model.parameters():  # the last step's gradients: views of the stacked ones until now
-                if p.grad is not None and p.grad._base is not None:
-                    p.grad = p.grad.clone()
+            from fedaval import stacked
+
+            stacked.active().release(self)  # its tensors its own again, before its upload
         if not self._trains_next_round():
             # --cuda-graphs: a graph holds its activations' memory; a client that idles next
             # round lets it go and captures anew when it trains again

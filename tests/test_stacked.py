@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Raises, one_line_error, strip_timing
+from helpers import TEST_DEVICE, Raises, one_line_error, strip_timing
 
 from fedaval import hookimpl, stacked
 from fedaval.errors import FedavalUsageError, RunFailure
@@ -22,13 +22,13 @@ THREE = dict(scenario_options={"clients": 3, "tasks": 2}, offload_clients="none"
 def counted(monkeypatch):
     """Counts the stacked computations and the clients stepped in each."""
     sizes: list[int] = []
-    step = stacked.stacked_step
+    step = stacked._Stack.step
 
-    def counting(entries):
+    def counting(self, entries):
         sizes.append(len(entries))
-        return step(entries)
+        return step(self, entries)
 
-    monkeypatch.setattr(stacked, "stacked_step", counting)
+    monkeypatch.setattr(stacked._Stack, "step", counting)
     return sizes
 
 
@@ -87,8 +87,57 @@ def test_stacked_rounds_train_each_client_as_it_trains_alone(tiny_config, counte
         assert torch.equal(a.rng["torch"], b.rng["torch"])
         numpy = a.rng["numpy"].state["state"], b.rng["numpy"].state["state"]
         assert numpy[0]["pos"] == numpy[1]["pos"] and (numpy[0]["key"] == numpy[1]["key"]).all()
-        grads = [p.grad for p in b.model.parameters() if p.grad is not None]
-        assert grads and all(g._base is None for g in grads)  # the last step's, no longer views of the stack
+        own_memory(b)
+
+
+def own_memory(client) -> None:
+    """After its training a client's parameters, buffers, gradients and
+    momentum buffers each hold memory of their own, not rows of a stack."""
+    momenta = [state["momentum_buffer"] for state in client.strategy.optimizer.state.values()]
+    grads = [p.grad for p in client.model.parameters() if p.grad is not None]
+    assert grads  # the last step's, as after an eager step
+    for t in [*client.model.parameters(), *client.model.buffers(), *grads, *momenta]:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_a_group_that_steps_again_reuses_its_stack(tiny_config, monkeypatch):
+    """A group's stack is made once: the same clients stepping together
+    again, in a later epoch or a later round, are copied into it (their
+    tensors views of it again), nothing allocated anew."""
+    from fedaval.backends import LocalBackend
+    from fedaval.build import build_run
+    from fedaval.coordinator import run_round
+
+    made = []
+    init = stacked._Stack.__init__
+
+    def counting(self, strategies):
+        made.append(len(strategies))
+        init(self, strategies)
+
+    monkeypatch.setattr(stacked._Stack, "__init__", counting)
+    # one task of 4 clients whose data split evenly (alpha 1e6): 313 to 316 images each, 10 steps an epoch
+    config = tiny_config(
+        stack_clients=True,
+        scenario_options={"clients": 4, "tasks": 1, "alpha": 1e6},
+        rounds_per_task=2,
+        local_epochs=2,
+        offload_clients="none",
+        momentum=0.9,
+    )
+    run = build_run(config)
+    sizes = [len(c.train_stream[0].dataset) for c in run.clients]
+    run.server.begin_task(0)
+    backend = LocalBackend()  # one a run, as coordinator.train makes it
+    run_round(run, 1, backend)
+    # the full batches of all 4 as one group; the last batches by shape (the sizes differ by a few images)
+    assert made[0] == 4 and made.count(4) == 1 and len(made) == 1 + len(set(sizes)) <= stacked.MAX_STACKS, made
+    for client in run.clients:
+        own_memory(client)
+    run_round(run, 2, backend)
+    assert len(made) == 1 + len(set(sizes))  # the stacks kept by the backend
+    for client in run.clients:
+        own_memory(client)
 
 
 def test_the_global_streams_after_a_stacked_round_are_the_sequential_rounds(tiny_config):
@@ -155,10 +204,10 @@ def test_a_stacked_step_that_fails_fails_the_clients_it_stepped(tiny_config, mon
     from fedaval.build import build_run
     from fedaval.coordinator import run_round
 
-    def fails(entries):
+    def fails(self, entries):
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(stacked, "stacked_step", fails)
+    monkeypatch.setattr(stacked._Stack, "step", fails)
     run = build_run(tiny_config(stack_clients=True, on_client_failure="fail", **THREE))
     run.server.begin_task(0)
     with pytest.raises(RunFailure, match="CUDA out of memory"):
@@ -239,7 +288,7 @@ class Dropout:
     [
         (dict(backend="ray"), "--stack-clients needs --backend local (the clients of one process), not --backend ray"),
         (dict(optimizer="adam", momentum=0.0), "--stack-clients needs --optimizer sgd, not adam"),
-        (dict(compile="aot_eager"), "it does not combine with --compile aot_eager"),
+        (dict(compile="aot_eager"), "--stack-clients does not combine with --compile aot_eager"),
         (
             dict(plugins=["fedprox"]),
             "--stack-clients computes each step of a round's clients at once, and plugin 'fedprox' acts inside it "
@@ -279,3 +328,140 @@ def test_the_cli_refuses_stacking_with_cuda_graphs_in_one_line(tmp_path):
     line = one_line_error(["train", "--stack-clients", "--plugins", "gldp", "--device", "cpu", "--out", str(out)])
     assert "plugin 'gldp' acts inside it (fedaval_classify)" in line
     assert not out.exists()
+
+
+class StandInCapture:
+    """Stands in for ``stacked.capture`` on the CPU: runs the step once for
+    its outputs' static tensors (the stack puts its values back after a
+    capture, as a real capture never changes them); a "replay" runs the step
+    eagerly and copies its outputs into the same static tensors."""
+
+    def __init__(self):
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, step):
+        statics = tuple(out.detach().clone() for out in step())
+        self.captures += 1
+
+        def replay():
+            self.replays += 1
+            outputs = step()
+            with torch.no_grad():
+                for static, out in zip(statics, outputs):
+                    static.copy_(out)
+
+        return replay, statics
+
+
+@pytest.fixture
+def stand_in_capture(monkeypatch):
+    from fedaval import cuda_graphs
+
+    fake = StandInCapture()
+    monkeypatch.setattr(stacked, "capture", fake)
+    monkeypatch.setattr(cuda_graphs, "check_device", lambda *args: None)
+    return fake
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(momentum=0.9),  # the momentum buffers made as zeros before the capture, each round
+        dict(momentum=0.9, optimizer_state="keep"),  # carried from round to round: copied into the stack
+        dict(momentum=0.9, lr_schedule="cosine", lr_min=1e-3),  # a new learning rate each round: captured anew
+        dict(momentum=0.0),
+        dict(momentum=0.9, model="cnn", offload_clients="cpu"),  # new strategy objects each round: adopted
+    ],
+    ids=["reset", "keep", "cosine", "no-momentum", "offloaded-cnn"],
+)
+def test_the_stacked_step_replayed_from_a_graph_gives_the_eager_stacked_results(
+    tiny_config, tmp_path, stand_in_capture, extra
+):
+    """--stack-clients --cuda-graphs: the stacked step captured once per
+    stack, batch shape and learning rate, and replayed, changes no result
+    when a replay computes what the eager stacked step does."""
+    from fedaval.api import run_training
+
+    results = {}
+    for graphs in (False, True):
+        scope = dict(cuda_graphs=True, cuda_graph_scope="step") if graphs else {}
+        config = tiny_config(out=str(tmp_path / str(graphs)), stack_clients=True, **{**THREE, **scope, **extra})
+        results[graphs] = strip_timing(run_training(config))
+        for option in ("cuda_graphs", "cuda_graph_scope"):
+            results[graphs]["config"].pop(option)
+    assert results[True] == results[False]
+    # clients of unequal data step in changing groups: graphs captured again and again (equal clients: below)
+    assert stand_in_capture.captures >= 2 and stand_in_capture.replays > stand_in_capture.captures
+
+
+def test_a_graph_is_captured_once_per_stack_and_batch_shape(tiny_config, stand_in_capture):
+    from fedaval.backends import LocalBackend
+    from fedaval.build import build_run
+    from fedaval.coordinator import run_round
+
+    config = tiny_config(
+        stack_clients=True,
+        cuda_graphs=True,
+        cuda_graph_scope="step",
+        scenario_options={"clients": 4, "tasks": 1, "alpha": 1e6},
+        rounds_per_task=3,
+        offload_clients="none",
+        momentum=0.9,
+    )
+    run = build_run(config)
+    sizes = {len(c.train_stream[0].dataset) for c in run.clients}
+    run.server.begin_task(0)
+    backend = LocalBackend()
+    run_round(run, 1, backend)
+    captured = stand_in_capture.captures
+    assert captured == 1 + len(sizes)  # the full batch's; each last batch's shape, in a stack of its own
+    run_round(run, 2, backend)
+    run_round(run, 3, backend)
+    assert stand_in_capture.captures == captured  # the same stacks, rows and learning rate: replayed
+    for client in run.clients:
+        own_memory(client)
+
+
+def test_a_failed_capture_is_a_one_line_error(tiny_config, monkeypatch):
+    from fedaval import cuda_graphs
+    from fedaval.build import build_run
+    from fedaval.coordinator import run_round
+
+    def fails(step):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(stacked, "capture", fails)
+    monkeypatch.setattr(cuda_graphs, "check_device", lambda *args: None)
+    run = build_run(tiny_config(stack_clients=True, cuda_graphs=True, cuda_graph_scope="step", **THREE))
+    run.server.begin_task(0)
+    with pytest.raises(FedavalUsageError) as error:
+        run_round(run, 1)
+    assert str(error.value) == (
+        "--stack-clients with --cuda-graphs: capturing the stacked step failed (RuntimeError: operation not "
+        "permitted when stream is capturing); run without --cuda-graphs"
+    )
+
+
+def test_stacking_with_the_backbones_graphs_is_refused(tiny_config, monkeypatch):
+    from fedaval import cuda_graphs
+    from fedaval.build import build_run
+
+    monkeypatch.setattr(cuda_graphs, "check_device", lambda *args: None)
+    with pytest.raises(FedavalUsageError, match="captures the whole stacked step .*; give --cuda-graph-scope step"):
+        build_run(tiny_config(stack_clients=True, cuda_graphs=True))
+
+
+@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA graphs need a GPU (FEDAVAL_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("model", ["auto", "cnn"])
+def test_on_a_gpu_the_stacked_graphs_change_no_result(tiny_config, tmp_path, model):
+    """On CUDA, the stacked step replayed from real graphs ends where the
+    eager stacked step ends (the same kernels), and both near the clients
+    trained one after another."""
+    eager = two_rounds(tiny_config, stack_clients=True, model=model, **THREE)
+    graphed = two_rounds(
+        tiny_config, stack_clients=True, cuda_graphs=True, cuda_graph_scope="step", model=model, **THREE
+    )
+    alone = two_rounds(tiny_config, model=model, **THREE)
+    assert largest_difference(eager, graphed) < 1e-6
+    assert largest_difference(alone, graphed) < 1e-4

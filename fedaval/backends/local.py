@@ -212,14 +212,16 @@ class LocalBackend:
             results[-1].seconds += time.perf_counter() - start
         return results
 
-    @staticmethod
     def _stacked(
-        run: Run, client_ids: list[int], download: dict[str, Any], round: int, extras: dict[int, dict[str, Any]]
+        self, run: Run, client_ids: list[int], download: dict[str, Any], round: int, extras: dict[int, dict[str, Any]]
     ) -> list[ClientRound]:
-        """``--stack-clients``: the clients' rounds taking turns, their steps computed together (:mod:`fedaval.stacked`)."""
-        from fedaval.stacked import Lockstep
+        """``--stack-clients``: the clients' rounds taking turns, their steps
+        computed together (:mod:`fedaval.stacked`); the stacks kept from
+        round to round, for the same clients' next steps together."""
+        from fedaval.stacked import Lockstep, Stacks
 
-        lockstep = Lockstep(run.device)
+        stacks = self.__dict__.setdefault("stacks", Stacks())
+        lockstep = Lockstep(run.device, stacks, graphs=run.config.cuda_graphs)
 
         def work(k: int):
             return lambda: client_round(run, run.clients[k], download, round, extras.get(k), settle_now=False)
