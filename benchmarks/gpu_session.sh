@@ -23,7 +23,8 @@
 #   throughput-compile.txt  the same with --compile inductor, without graphs and with the step graphed
 #                     (--full-scale, COMPILE_S)
 #   throughput-stacked.txt  the same without and with --stack-clients (a round's clients in lockstep, one
-#                     vmapped step for all), then gpu_ceilings.py's 10 models as one vmapped step (--full-scale, STACKED_S)
+#                     vmapped step for all), eager and with the step graphed, then gpu_ceilings.py's 10 models
+#                     as one vmapped step (--full-scale, STACKED_S)
 #   stacked-tests.txt tests/test_stacked.py on CUDA (with graph-tests.txt)
 #   phase A, correctness, side by side (no timing in it):
 #     tests-cuda.txt  the suite (all but Ray) with its runs on the GPU (FEDAVAL_TEST_DEVICE=cuda,
@@ -177,10 +178,11 @@ if [ "${1:-}" = "--full-scale" ]; then
         [ "${STREAMS_S:-0}" = 0 ] || step "$STREAMS_S" throughput-streams.txt python3 benchmarks/round_throughput.py \
             --device cuda --cuda-graphs step --client-streams 1,2,5,10
         # a round's clients in lockstep, each step of all of them one vmapped computation (STACKED_S, off by
-        # default): fedaval's rounds without and with --stack-clients, then the plain loops' ceiling of 10 models
-        # as one vmapped step, eager and graphed, beside one loop at batch 32 and the batch-320 limit
+        # default): fedaval's rounds without and with --stack-clients, each eager and with the step graphed, then
+        # the plain loops' ceiling of 10 models as one vmapped step, eager and graphed, beside one loop at batch
+        # 32 and the batch-320 limit
         [ "${STACKED_S:-0}" = 0 ] || step "$STACKED_S" throughput-stacked.txt sh -c '
-            python3 benchmarks/round_throughput.py --device cuda --stack-clients off,on
+            python3 benchmarks/round_throughput.py --device cuda --cuda-graphs off+step --stack-clients off,on
             python3 benchmarks/gpu_ceilings.py --device cuda --steps 60 --processes "" --graphed-processes "" \
                 --wait-every 0 --stacked 10'
         # the step graphed with --precision bf16, then with --channels-last too (BF16_S, off by default): fedaval's

@@ -364,6 +364,10 @@ def main(argv=None) -> int:
     stacks = args.stack_clients.split(",")
     if not set(stacks) <= {"off", "on"}:
         parser.error(f"--stack-clients {args.stack_clients}: off, on, or off,on")
+    if "on" in stacks and (compiles != ["off"] or "features" in GRAPHS[args.cuda_graphs]):
+        parser.error(
+            f"--stack-clients {args.stack_clients} takes --compile off and --cuda-graphs off, step or off+step"
+        )
     try:
         client_streams = [int(k) for k in args.client_streams.split(",")]
     except ValueError:

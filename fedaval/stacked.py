@@ -27,14 +27,15 @@ How a round runs (:class:`Lockstep`, used by the in-process backend):
   minibatch and parameters), each client's loss is its own strategy's
   criterion, the backward runs once on their sum (so each client's gradient
   is its own), and PyTorch's SGD (``torch.optim.sgd.sgd``, elementwise)
-  updates the stacked tensors. The stack is made when a group first steps
-  (the clients' values copied in) and each client's own tensors become
-  views of its rows (:class:`_Stack`), so later steps of the same group
-  copy nothing in or out; a client's tensors are copied out again when its
-  training ends, before its upload, with its last step's gradients. A
-  client with fewer minibatches finishes earlier; an epoch's smaller last
-  batch is stepped in a group of its own shape (a new stack while the
-  groups differ);
+  updates the stacked tensors. Each client's own tensors are views of its
+  rows of the stack (:class:`_Stack`), so a step copies nothing in or out;
+  a client's tensors are copied out again when its training ends, before
+  its upload, with its last step's gradients. The in-process backend keeps
+  the stacks from round to round (:class:`Stacks`): the same clients
+  stepping together again have their values copied into the same memory.
+  A client with fewer minibatches finishes earlier; an epoch's smaller last
+  batches step in groups of their own shape (clients of unequal data), each
+  a stack of its own;
 * each client's random streams are its own, as in sequential rounds:
   they are swapped out while it waits at a step and back in when it goes
   on, so every draw (data order, augmentation, a plugin's sampling) comes
@@ -52,19 +53,36 @@ with ``--deterministic`` a run's results.json equals another stacked run's,
 not a sequential run's. A client's ``seconds`` (the host's time for its
 round) is its own turns plus its share of the stacked steps.
 
+With ``--cuda-graphs --cuda-graph-scope step`` a stack's whole step
+(forward, losses, backward, update) is captured as one CUDA graph per batch
+shape and learning rate, and replayed: one launch for the round's clients'
+step. Capturing happens once per stack, shape and learning rate (every
+round with a schedule), so it pays where the same clients step together
+round after round with equal data (the GPU issue's item 3); clients of
+unequal data step in changing groups and capture again and again.
+
 What it needs, each refused with a one-line error otherwise: the in-process
 backend; SGD (the update is PyTorch's SGD on stacked tensors); no plugin
 implementing a hook that acts inside a step (``fedaval_classify``,
 ``fedaval_client_criterion``, ``fedaval_client_loss``: the step's forward
 and loss are the core's) and no Avalanche plugin overriding a callback
 inside a step (as ``--cuda-graph-scope step``,
-:func:`fedaval.cuda_graphs.check_step_plugins`); and, in this first
-version, neither ``--cuda-graphs``, ``--compile`` nor ``--client-streams``
-(the stacked step runs eagerly). Plugins' other hooks (receive, upload,
-Avalanche's callbacks outside a step) run in each client's turn, so their
-calls for different clients interleave within a round: a plugin must keep
-a client's state on the client (as fedaval's plugins do), not in a
-variable shared by all of them.
+:func:`fedaval.cuda_graphs.check_step_plugins`); neither ``--compile`` nor
+``--client-streams``; with ``--cuda-graphs``, ``--cuda-graph-scope step``.
+Plugins' other hooks (receive, upload, Avalanche's callbacks outside a
+step) run in each client's turn, so their calls for different clients
+interleave within a round: a plugin must keep a client's state on the
+client (as fedaval's plugins do), not in a variable shared by all of them.
+A parameter's ``.grad`` between a client's steps is the stack's (set on the
+client when its training ends), and a client's momentum buffers are its
+rows of the stack from the group's first step: a plugin that replaces
+them within a round is seen only if it clears the optimizer's state.
+
+Not yet run on a GPU: whether one vmapped step of 10 clients (a grouped
+convolution per layer) keeps the GPU busier than 10 steps of one is the
+GPU session's measurement (``benchmarks/round_throughput.py
+--stack-clients off,on``; the plain loops' ceiling ``gpu_ceilings.py
+--stacked 10``). On this CPU it is not faster (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -146,7 +164,8 @@ class Lockstep:
         self.outside = current_streams(device)  # the global streams whenever no client runs
         self.seconds: list[float] = []
         self.steps = 0  # stacked computations made
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # its lock guards the turns; a thread waits on its own condition:
+        self._wake: list[threading.Condition] = []  # waking all at each turn cost ~0.3 ms a client's step
         self._turn: int | None = 0
         self._live: list[int] = []
         self._waiting: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
@@ -167,6 +186,7 @@ class Lockstep:
         count = len(rounds)
         self.seconds = [0.0] * count
         self._live = list(range(count))
+        self._wake = [threading.Condition(self._cond._lock) for _ in range(count)]  # type: ignore[attr-defined]
         results: list[Any] = [None] * count
         threads = [
             threading.Thread(target=self._client, args=(slot, work, results), name=f"fedaval-client-{slot}")
@@ -232,7 +252,7 @@ class Lockstep:
 
     def _wait_turn(self, slot: int) -> None:
         while self._turn != slot and self._error is None:
-            self._cond.wait()
+            self._wake[slot].wait()
         if self._error is not None:
             raise _Abort
         self._since = time.perf_counter()
@@ -250,13 +270,15 @@ class Lockstep:
             if self._waiting:
                 self._compute()
             self._turn = self._live[0] if self._live else None
-        self._cond.notify_all()
+        if self._turn is not None:
+            self._wake[self._turn].notify()
 
     def _stop(self, exc: BaseException) -> None:
         with self._cond:
             if self._error is None:
                 self._error = exc
-            self._cond.notify_all()
+            for wake in self._wake:
+                wake.notify()
 
     # --- the stacked step ---------------------------------------------------
     def release(self, strategy) -> None:
@@ -283,7 +305,7 @@ class Lockstep:
             try:
                 outputs = self._stack(tuple(slots), [entry[0] for entry in entries]).step(entries)
             except FedavalUsageError as exc:
-                self._error = exc  # the same in every round: stops the run
+                self._stop(exc)  # the same in every round: stops the run
                 return
             except Exception as exc:  # noqa: BLE001 - each client of the group failed this step
                 outputs = [exc] * len(slots)
@@ -312,7 +334,7 @@ class Lockstep:
             y.dtype,
             structure,
             tuple(map(_REQUIRES_GRAD, params)),
-            tuple(tuple((k, v) for k, v in sorted(g.items()) if k != "params") for g in optimizer.param_groups),
+            _hyperparameters(optimizer),
             model.training,
         )
 
@@ -321,7 +343,7 @@ class Lockstep:
         values in it and their tensors its views."""
         structure = self._structures[strategies[0]][0]
         stack = self.stacks.get(tuple(s.client.id for s in strategies), structure, strategies)
-        if not stack.valid(strategies):
+        if not stack.valid(strategies, [self._structures[s][1] for s in strategies]):
             stack.adopt(strategies)
         for strategy in strategies:
             self._members[strategy] = stack
@@ -355,6 +377,14 @@ class Stacks:
         while len(self._kept) > MAX_STACKS:
             self._kept.pop(next(iter(self._kept)))
         return stack
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple:
+    """What SGD's update depends on, per parameter group (a scheduler may change the learning rate between steps)."""
+    return tuple(
+        (g["lr"], g["momentum"], g["weight_decay"], g["dampening"], g["nesterov"], g["maximize"])
+        for g in optimizer.param_groups
+    )
 
 
 def _structure(model: torch.nn.Module) -> tuple:
@@ -419,6 +449,7 @@ class _Stack:
         self.graphed = False
         self._graphs: dict[tuple, _StackGraph] = {}
         self.strategies: list = []
+        self._tensors: list[torch.Tensor] = []
         self._pointers: tuple = ()
         self.adopt(strategies)
 
@@ -464,9 +495,10 @@ class _Stack:
                     p.data = stacked[k]
                 for b, stacked in zip(self.client_buffers[k], self.buffers):
                     b.data = stacked[k]
-        for i, stacked in enumerate(self.momenta):
-            if stacked is not None:
-                self._point_momenta(i, stacked)
+        for i, momenta in enumerate(self.momenta):
+            if momenta is not None:
+                self._point_momenta(i, momenta)
+        self._tensors = [t for k in range(len(strategies)) for t in (*self.client_params[k], *self.client_buffers[k])]
         self._pointers = self.pointers()
 
     def _momentum_of(self, k: int, i: int) -> torch.Tensor | None:
@@ -478,22 +510,22 @@ class _Stack:
             strategy.optimizer.state[self.client_params[k][i]]["momentum_buffer"] = stacked[k]
 
     def pointers(self) -> tuple:
-        """Where every client tensor's memory is: the stack's rows while it is valid."""
-        count = len(self.strategies)
-        tensors = [t for k in range(count) for t in (*self.client_params[k], *self.client_buffers[k])]
-        momenta = [self._momentum_of(k, i) for k in range(count) for i in range(len(self.params))]
+        """Where every client tensor's memory is (the stack's rows while it
+        is valid), and how many parameters each client's optimizer holds
+        state for (a state cleared drops the momentum rows). Each step:
+        about 0.1 ms for 10 clients of 62 parameter tensors on the CPU."""
         return (
-            tuple(map(torch.Tensor.data_ptr, tensors)),
-            tuple(0 if m is None else m.data_ptr() for m in momenta),
+            tuple(map(torch.Tensor.data_ptr, self._tensors)),
+            tuple(len(s.optimizer.state) for s in self.strategies),
         )
 
-    def valid(self, strategies: list) -> bool:
-        same = len(strategies) == len(self.strategies) and all(a is b for a, b in zip(strategies, self.strategies))
-        if not same:
+    def valid(self, strategies: list, params: list[list[torch.Tensor]]) -> bool:
+        """Whether ``strategies``, with these parameters, are the stack's
+        clients and their tensors still its rows' views."""
+        if len(strategies) != len(self.strategies) or any(a is not b for a, b in zip(strategies, self.strategies)):
             return False
-        for strategy, known in zip(strategies, self.client_params):  # a client with new parameter objects
-            params = list(strategy.model.parameters())
-            if len(params) != len(known) or any(a is not b for a, b in zip(params, known)):
+        for mine, known in zip(params, self.client_params):  # a client's new parameter objects
+            if len(mine) != len(known) or any(a is not b for a, b in zip(mine, known)):
                 return False
         return self.pointers() == self._pointers
 
@@ -604,8 +636,7 @@ class _Stack:
     # --- the step as one CUDA graph (--cuda-graphs) -----------------------------------
     def _replay(self, entries: list, flags: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, y = entries[0][1], entries[0][2]
-        groups = self.strategies[0].optimizer.param_groups
-        hyper = tuple(tuple((k, v) for k, v in sorted(g.items()) if k != "params") for g in groups)
+        hyper = _hyperparameters(self.strategies[0].optimizer)
         key = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, flags, hyper, len(entries))
         graph = self._graphs.get(key)
         if graph is None:

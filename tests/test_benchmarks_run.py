@@ -136,6 +136,38 @@ def test_round_throughput_refuses_compile_with_the_backbones_graphs_and_streams_
     assert usage_error(monkeypatch, "round_throughput.py", "--device", "cpu", "--client-streams", "1,4") == (
         "round_throughput.py: error: --client-streams 1,4 needs a CUDA device; --device is cpu"
     )
+    assert usage_error(monkeypatch, "round_throughput.py", "--stack-clients", "on", "--compile", "inductor") == (
+        "round_throughput.py: error: --stack-clients on takes --compile off and --cuda-graphs off, step or off+step"
+    )
+
+
+def test_round_throughput_without_and_with_stacked_clients(cifar10_root):
+    out = run(
+        "round_throughput.py",
+        "--model",
+        "cnn",
+        "--clients",
+        "3",
+        "--rounds",
+        "3",
+        "--limit-epochs",
+        "1",
+        "--stack-clients",
+        "off,on",
+        "--data-root",
+        str(cifar10_root),
+    )
+    for label in ("fedaval", "fedaval --stack-clients"):  # each, in this one invocation
+        assert f"ratio {label} / limit:" in out
+
+
+def test_step_host_with_stacked_clients_measures_the_host_work_per_clients_step():
+    out = run(
+        "step_host.py", "--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--stack-clients", "--null-graphs"
+    )
+    assert "--stack-clients (its time per step: per client's step)" in out
+    per_step = float(out.split("median: fedaval ")[1].split(" us/step")[0])
+    assert 0 < per_step < 1e6
 
 
 def test_step_host_benchmark_runs():
