@@ -12,8 +12,9 @@
 #
 # Everything lands in $OUT/session.tgz (the device tool brings it back):
 # session.log with each step's time and exit status, one file per step.
-#   graph-tests.txt the GPU tests of tests/test_cuda_graphs.py, test_client_streams.py and test_compile.py:
-#                     --cuda-graphs (both scopes), --client-streams and --compile change no result
+#   graph-tests.txt the GPU tests of tests/test_cuda_graphs.py, test_client_streams.py, test_compile.py and
+#                     test_stacked.py: --cuda-graphs (both scopes), --client-streams, --compile and the
+#                     stacked step's graphs change no result
 #   throughput.txt    benchmarks/round_throughput.py --device cuda --cuda-graphs all (item 3: ratio to
 #                     the batch-320 limit, without --cuda-graphs, with it, with --cuda-graph-scope step)
 #   throughput-bf16.txt  the same with the step graphed and --precision bf16, then also --channels-last
@@ -25,7 +26,6 @@
 #   throughput-stacked.txt  the same without and with --stack-clients (a round's clients in lockstep, one
 #                     vmapped step for all), eager and with the step graphed, then gpu_ceilings.py's 10 models
 #                     as one vmapped step (--full-scale, STACKED_S)
-#   stacked-tests.txt tests/test_stacked.py on CUDA (with graph-tests.txt)
 #   phase A, correctness, side by side (no timing in it):
 #     tests-cuda.txt  the suite (all but Ray) with its runs on the GPU (FEDAVAL_TEST_DEVICE=cuda,
 #                     deterministic algorithms), pytest-xdist workers
@@ -118,10 +118,8 @@ throughput() {
 # the graphs' own tests on CUDA (the same results.json with and without them, --deterministic), before their timing
 graph_tests() {
     step "$1" graph-tests.txt env FEDAVAL_TEST_DEVICE=cuda OMP_NUM_THREADS=2 python3 -m pytest -q -rfE \
-        -p no:cacheprovider tests/test_cuda_graphs.py tests/test_client_streams.py tests/test_compile.py -k gpu
-    # --stack-clients: every test of it on CUDA (each client's steps those it takes alone, its streams its own)
-    step "$1" stacked-tests.txt env FEDAVAL_TEST_DEVICE=cuda OMP_NUM_THREADS=2 python3 -m pytest -q -rfE \
-        -p no:cacheprovider tests/test_stacked.py
+        -p no:cacheprovider tests/test_cuda_graphs.py tests/test_client_streams.py tests/test_compile.py \
+        tests/test_stacked.py -k gpu
 }
 ceilings() {
     local limit=$1
