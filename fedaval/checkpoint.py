@@ -67,8 +67,8 @@ from typing import TYPE_CHECKING, Any
 
 from fedaval import state
 from fedaval.atomic import atomic_file
-from fedaval.client import rng_state, set_rng_state
 from fedaval.errors import FedavalUsageError, RunFailure
+from fedaval.random_streams import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from fedaval.run import Run

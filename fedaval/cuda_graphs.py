@@ -240,6 +240,9 @@ STEP_HOOKS = ("fedaval_classify", "fedaval_client_criterion", "fedaval_client_lo
 STEP_SCOPE_WORDS = ("--cuda-graph-scope step captures the whole training step", "use --cuda-graph-scope features")
 """How the refusals of a plugin acting inside a step begin and end, for the step scope."""
 
+STACKED_WORDS = ("--stack-clients computes each step of a round's clients at once", "run without it")
+"""The same for ``--stack-clients`` (:mod:`fedaval.stacked`)."""
+
 MID_STEP_CALLBACKS = ("before_forward", "after_forward", "before_backward", "after_backward", "before_update")
 """Avalanche's callbacks between a step's start and its optimizer update."""
 
@@ -289,8 +292,6 @@ def check_step_plugins(config, strategy) -> None:
     if config.cuda_graphs and config.cuda_graph_scope == "step":
         what, instead = STEP_SCOPE_WORDS
     elif config.stack_clients:
-        from fedaval.stacked import STACKED_WORDS
-
         what, instead = STACKED_WORDS
     else:
         return

@@ -101,9 +101,6 @@ if TYPE_CHECKING:
     from fedaval.config import RunConfig
     from fedaval.run import Run
 
-STACKED_WORDS = ("--stack-clients computes each step of a round's clients at once", "run without it")
-"""How the refusals of a plugin acting inside a step begin and end (:func:`fedaval.cuda_graphs.check_step_hooks`)."""
-
 _active: Lockstep | None = None
 """The round's lockstep while the in-process backend runs its clients (:func:`active`)."""
 
@@ -132,7 +129,7 @@ def check(config: RunConfig, run: Run) -> None:
     ):
         if used:
             raise FedavalUsageError(f"--stack-clients does not combine with {option}; run without one of them")
-    from fedaval.cuda_graphs import check_step_hooks
+    from fedaval.cuda_graphs import STACKED_WORDS, check_step_hooks
 
     check_step_hooks(run, *STACKED_WORDS)
 
@@ -154,7 +151,7 @@ class Lockstep:
     strategy calls :meth:`step` for each of its training steps."""
 
     def __init__(self, device: torch.device, stacks: Stacks | None = None, graphs: bool = False):
-        from fedaval.client import current_streams
+        from fedaval.random_streams import current_streams
 
         self.device = device
         self.graphs = graphs  # --cuda-graphs: each stack's step replayed from a CUDA graph
@@ -216,7 +213,7 @@ class Lockstep:
         """``strategy``'s training step on ``(x, y)``, computed with the other
         waiting clients' steps: the parameters updated; returns the step's
         features, logits and loss (of shape ``[1]``, as Avalanche's), detached."""
-        from fedaval.client import swap_streams
+        from fedaval.random_streams import swap_streams
 
         slot = self._slots[threading.get_ident()]
         with self._cond:

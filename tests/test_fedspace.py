@@ -177,8 +177,8 @@ class Probe:
 
     @hookimpl(wrapper=True)
     def fedaval_client_loss(self, run, client, batch):
-        from fedaval.client import rng_state, set_rng_state
         from fedaval.plugins.fedspace import PLAN
+        from fedaval.random_streams import rng_state, set_rng_state
 
         state = rng_state(run.device)
         plan = client.stash[PLAN]

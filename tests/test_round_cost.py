@@ -62,7 +62,7 @@ def test_a_checkpoint_of_format_1_is_still_read(tiny_config, tmp_path):
     from fedaval import checkpoint, state
     from fedaval.atomic import atomic_file
     from fedaval.build import build_run
-    from fedaval.client import rng_state
+    from fedaval.random_streams import rng_state
 
     config = tiny_config(out=str(tmp_path / "run"))
     run = build_run(config, out_dir=tmp_path / "run")

@@ -92,7 +92,7 @@ class Attack(Plugin):
         received, self.received = self.received, None
         if not self.due(round):
             return None
-        from fedaval.client import rng_state, set_rng_state
+        from fedaval.random_streams import rng_state, set_rng_state
 
         outside = rng_state(run.device)
         try:
