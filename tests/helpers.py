@@ -110,3 +110,39 @@ def stand_in_cuda_streams(monkeypatch) -> tuple[list, list]:
 
     monkeypatch.setattr(torch.cuda, "stream", on)
     return log, current
+
+
+class StandInCapture:
+    """Stands in for a CUDA graph capture (``fedaval.cuda_graphs.cuda_capture``,
+    ``fedaval.stacked.capture``) on the CPU. As a real capture, it leaves
+    the tensors that ``kept()`` lists and the random stream as they were
+    (it runs the step once, for its outputs' tensors, then puts them back);
+    a "replay" runs the step eagerly and copies its outputs into the same
+    static tensors every time."""
+
+    def __init__(self, kept=None):
+        self.kept = kept or (lambda: [])
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, step):
+        import torch
+
+        tensors = self.kept()
+        saved = [t.detach().clone() for t in tensors]
+        rng = torch.get_rng_state()
+        statics = tuple(out.detach().clone() for out in step())
+        with torch.no_grad():
+            for t, value in zip(tensors, saved):
+                t.copy_(value)
+        torch.set_rng_state(rng)
+        self.captures += 1
+
+        def replay():
+            self.replays += 1
+            outputs = step()
+            with torch.no_grad():
+                for static, out in zip(statics, outputs):
+                    static.copy_(out)
+
+        return replay, statics

@@ -89,7 +89,15 @@ def test_backends_benchmark_compares_results_without_timings():
     assert backends.comparable(one) == backends.comparable(two) == {"final": {"accuracy": 0.5}}
 
 
-def test_round_throughput_benchmark_runs(cifar10_root):
+@pytest.mark.parametrize(
+    "option, values, labels",
+    [
+        ("--compile", "off,aot_eager", ("fedaval", "fedaval --compile aot_eager")),
+        ("--stack-clients", "off,on", ("fedaval", "fedaval --stack-clients")),
+    ],
+    ids=["compile", "stacked"],
+)
+def test_round_throughput_benchmark_runs(cifar10_root, option, values, labels):
     out = run(
         "round_throughput.py",
         "--model",
@@ -100,13 +108,13 @@ def test_round_throughput_benchmark_runs(cifar10_root):
         "3",
         "--limit-epochs",
         "1",
-        "--compile",
-        "off,aot_eager",
+        option,
+        values,
         "--data-root",
         str(cifar10_root),
     )
     assert "300 samples a round" in out  # the subset's 30 training images x 10 classes, every client training
-    for label in ("fedaval", "fedaval --compile aot_eager"):  # each, in this one invocation
+    for label in labels:  # each, in this one invocation
         assert f"ratio {label} / limit:" in out
     assert "(local training)" in out
 
@@ -139,26 +147,6 @@ def test_round_throughput_refuses_compile_with_the_backbones_graphs_and_streams_
     assert usage_error(monkeypatch, "round_throughput.py", "--stack-clients", "on", "--compile", "inductor") == (
         "round_throughput.py: error: --stack-clients on takes --compile off and --cuda-graphs off, step or off+step"
     )
-
-
-def test_round_throughput_without_and_with_stacked_clients(cifar10_root):
-    out = run(
-        "round_throughput.py",
-        "--model",
-        "cnn",
-        "--clients",
-        "3",
-        "--rounds",
-        "3",
-        "--limit-epochs",
-        "1",
-        "--stack-clients",
-        "off,on",
-        "--data-root",
-        str(cifar10_root),
-    )
-    for label in ("fedaval", "fedaval --stack-clients"):  # each, in this one invocation
-        assert f"ratio {label} / limit:" in out
 
 
 def test_step_host_with_stacked_clients_measures_the_host_work_per_clients_step():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TEST_DEVICE, one_line_error, strip_timing
+from helpers import TEST_DEVICE, StandInCapture, one_line_error, strip_timing
 
 from fedaval import hookimpl
 from fedaval.cuda_graphs import WARMUP_STEPS, GraphedFeatures
@@ -292,50 +292,23 @@ def test_on_a_gpu_the_graphs_change_no_result(tiny_config, tmp_path, monkeypatch
 # --- --cuda-graph-scope step ---------------------------------------------------------------------
 
 
-class FakeStepCapture:
-    """Stands in for ``cuda_capture``: as a real capture, it does not run the
-    step (it runs it once for its outputs' tensors, then puts the model, the
-    optimizer's state and the random stream back as they were); a "replay"
-    runs the step eagerly and copies its outputs into the same static tensors
-    every time."""
-
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-        self.captures = 0
-        self.replays = 0
-
-    def __call__(self, step):
-        state = [s["momentum_buffer"] for s in self.optimizer.state.values()]
-        tensors = [*self.model.parameters(), *self.model.buffers(), *state]
-        saved = [t.detach().clone() for t in tensors]
-        rng = torch.get_rng_state()
-        statics = tuple(out.detach().clone() for out in step())
-        with torch.no_grad():
-            for t, value in zip(tensors, saved):
-                t.copy_(value)
-        torch.set_rng_state(rng)
-        self.captures += 1
-
-        def replay():
-            self.replays += 1
-            outputs = step()
-            with torch.no_grad():
-                for static, out in zip(statics, outputs):
-                    static.copy_(out)
-
-        return replay, statics
+def step_capture(model, optimizer) -> StandInCapture:
+    """A client's step capture stood in: its parameters, buffers and momentum buffers left as they were."""
+    return StandInCapture(
+        lambda: [*model.parameters(), *model.buffers(), *(s["momentum_buffer"] for s in optimizer.state.values())]
+    )
 
 
 @pytest.fixture
 def stand_in_step_graphs(monkeypatch):
-    """--cuda-graph-scope step on the CPU, each client's capture stood in by FakeStepCapture; yields the graphed steps made."""
+    """--cuda-graph-scope step on the CPU, each client's capture stood in by StandInCapture; yields the graphed steps made."""
     from fedaval import cuda_graphs, strategy
     from fedaval.cuda_graphs import GraphedStep
 
     made = []
 
     def graphed(strat):
-        made.append(GraphedStep(strat, capture=FakeStepCapture(strat.model, strat.optimizer)))
+        made.append(GraphedStep(strat, capture=step_capture(strat.model, strat.optimizer)))
         return made[-1]
 
     monkeypatch.setattr(strategy, "GraphedStep", graphed)

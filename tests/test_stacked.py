@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TEST_DEVICE, Raises, one_line_error, strip_timing
+from helpers import TEST_DEVICE, Raises, StandInCapture, one_line_error, strip_timing
 
 from fedaval import hookimpl, stacked
 from fedaval.errors import FedavalUsageError, RunFailure
@@ -331,35 +331,11 @@ def test_the_cli_refuses_stacking_with_cuda_graphs_in_one_line(tmp_path):
     assert not out.exists()
 
 
-class StandInCapture:
-    """Stands in for ``stacked.capture`` on the CPU: runs the step once for
-    its outputs' static tensors (the stack puts its values back after a
-    capture, as a real capture never changes them); a "replay" runs the step
-    eagerly and copies its outputs into the same static tensors."""
-
-    def __init__(self):
-        self.captures = 0
-        self.replays = 0
-
-    def __call__(self, step):
-        statics = tuple(out.detach().clone() for out in step())
-        self.captures += 1
-
-        def replay():
-            self.replays += 1
-            outputs = step()
-            with torch.no_grad():
-                for static, out in zip(statics, outputs):
-                    static.copy_(out)
-
-        return replay, statics
-
-
 @pytest.fixture
 def stand_in_capture(monkeypatch):
     from fedaval import cuda_graphs
 
-    fake = StandInCapture()
+    fake = StandInCapture()  # the stack puts its own values back after a capture
     monkeypatch.setattr(stacked, "capture", fake)
     monkeypatch.setattr(cuda_graphs, "check_device", lambda *args: None)
     return fake
