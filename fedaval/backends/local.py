@@ -16,6 +16,7 @@ from fedaval.payload import FiniteCheck, Upload, merge_entries
 if TYPE_CHECKING:
     from fedaval.client import Client
     from fedaval.run import Run
+    from fedaval.stacked import Stacks
 
 __all__ = ["Backend", "ClientRound", "LocalBackend", "client_round", "check_losses", "settle"]
 
@@ -186,6 +187,7 @@ class LocalBackend:
     (:mod:`fedaval.stacked`)."""
 
     name = "local"
+    stacks: Stacks | None = None  # --stack-clients: the client groups' stacks, kept from round to round
 
     def train_clients(
         self,
@@ -220,8 +222,9 @@ class LocalBackend:
         round to round, for the same clients' next steps together."""
         from fedaval.stacked import Lockstep, Stacks
 
-        stacks = self.__dict__.setdefault("stacks", Stacks())
-        lockstep = Lockstep(run.device, stacks, graphs=run.config.cuda_graphs)
+        if self.stacks is None:
+            self.stacks = Stacks()
+        lockstep = Lockstep(run.device, self.stacks, graphs=run.config.cuda_graphs)
 
         def work(k: int):
             return lambda: client_round(run, run.clients[k], download, round, extras.get(k), settle_now=False)
