@@ -95,6 +95,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fedaval.cuda_graphs import MAX_STEP_GRAPHS  # a stack keeps as many as a client does with the step scope
 from fedaval.errors import FedavalUsageError
 
 if TYPE_CHECKING:
@@ -393,9 +394,6 @@ def _structure(model: torch.nn.Module) -> tuple:
 
 
 _REQUIRES_GRAD = attrgetter("requires_grad")
-
-MAX_STEP_GRAPHS = 2
-"""Graphs a stack keeps, one per batch shape: the full batch and the epoch's last, smaller one."""
 
 
 class _Split(torch.nn.Module):
