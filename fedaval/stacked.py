@@ -90,12 +90,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedaval.cuda_graphs import MAX_STEP_GRAPHS  # a stack keeps as many as a client does with the step scope
+from fedaval.cuda_graphs import _REQUIRES_GRAD, MAX_STEP_GRAPHS  # a stack keeps as many as a client does
 from fedaval.errors import FedavalUsageError
 
 if TYPE_CHECKING:
@@ -391,9 +390,6 @@ def _structure(model: torch.nn.Module) -> tuple:
         tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()),
         tuple((name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()),
     )
-
-
-_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 class _Split(torch.nn.Module):
