@@ -97,21 +97,10 @@ def test_backends_benchmark_compares_results_without_timings():
     ],
     ids=["compile", "stacked"],
 )
-def test_round_throughput_benchmark_runs(cifar10_root, option, values, labels):
-    out = run(
-        "round_throughput.py",
-        "--model",
-        "cnn",
-        "--clients",
-        "3",
-        "--rounds",
-        "3",
-        "--limit-epochs",
-        "1",
-        option,
-        values,
-        "--data-root",
-        str(cifar10_root),
+def test_round_throughput_benchmark_runs(cifar10_root, monkeypatch, capsys, option, values, labels):
+    small = ["--model", "cnn", "--clients", "3", "--rounds", "3", "--limit-epochs", "1"]
+    out = in_process(
+        monkeypatch, capsys, "round_throughput.py", *small, option, values, "--data-root", str(cifar10_root)
     )
     assert "300 samples a round" in out  # the subset's 30 training images x 10 classes, every client training
     for label in labels:  # each, in this one invocation
@@ -119,22 +108,35 @@ def test_round_throughput_benchmark_runs(cifar10_root, option, values, labels):
     assert "(local training)" in out
 
 
-def usage_error(monkeypatch, script: str, *args: str) -> str:
-    """A benchmark's ``main`` run in this process (no interpreter to start), expecting argparse's
-    refusal (exit 2): its last line. ``--threads`` is this process's own, which ``main`` sets."""
-    import contextlib
+def benchmark_main(monkeypatch, script: str):
+    """A benchmark's ``main``, to run in this process (no interpreter to start, no imports again), with
+    this process's ``--threads`` (which ``main`` sets) added to its arguments."""
     import importlib
-    import io
 
     import torch
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.setattr(sys, "argv", [script])  # argparse's program name
+    main = importlib.import_module(script.removesuffix(".py")).main
+    return lambda *args: main([*args, "--threads", str(torch.get_num_threads())])
+
+
+def usage_error(monkeypatch, script: str, *args: str) -> str:
+    """A benchmark run in this process, expecting argparse's refusal (exit 2): its last line."""
+    import contextlib
+    import io
+
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit:
-        importlib.import_module(script.removesuffix(".py")).main([*args, "--threads", str(torch.get_num_threads())])
+        benchmark_main(monkeypatch, script)(*args)
     assert exit.value.code == 2, err.getvalue()
     return err.getvalue().strip().splitlines()[-1]
+
+
+def in_process(monkeypatch, capsys, script: str, *args: str) -> str:
+    """A benchmark run in this process: its standard output."""
+    assert benchmark_main(monkeypatch, script)(*args) == 0
+    return capsys.readouterr().out
 
 
 def test_round_throughput_refuses_compile_with_the_backbones_graphs_and_streams_on_the_cpu(monkeypatch):
@@ -149,24 +151,48 @@ def test_round_throughput_refuses_compile_with_the_backbones_graphs_and_streams_
     )
 
 
-def test_step_host_with_stacked_clients_measures_the_host_work_per_clients_step():
-    out = run(
-        "step_host.py", "--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--stack-clients", "--null-graphs"
-    )
+def test_step_host_with_stacked_clients_measures_the_host_work_per_clients_step(monkeypatch, capsys):
+    args = ("--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--stack-clients", "--null-graphs")
+    out = in_process(monkeypatch, capsys, "step_host.py", *args)
     assert "--stack-clients (its time per step: per client's step)" in out
     per_step = float(out.split("median: fedaval ")[1].split(" us/step")[0])
     assert 0 < per_step < 1e6
 
 
-def test_step_host_benchmark_runs():
-    out = run("step_host.py", "--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--local-epochs", "1")
+def test_step_host_benchmark_runs(monkeypatch, capsys):
+    out = in_process(
+        monkeypatch,
+        capsys,
+        "step_host.py",
+        "--rounds",
+        "3",
+        "--repeats",
+        "1",
+        "--plain-steps",
+        "20",
+        "--local-epochs",
+        "1",
+    )
     assert "62 backbone parameters" in out and "fedaval's own host work" in out
     outside = float(out.split("a client round outside its minibatches ")[-1].split(" ms")[0])
     assert 0 < outside < 1000  # the round's host seconds less its minibatches' span, per client
 
 
-def test_step_host_counts_each_sides_operations_per_step():
-    out = run("step_host.py", "--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--layers", "0", "--count-ops")
+def test_step_host_counts_each_sides_operations_per_step(monkeypatch, capsys):
+    out = in_process(
+        monkeypatch,
+        capsys,
+        "step_host.py",
+        "--rounds",
+        "3",
+        "--repeats",
+        "1",
+        "--plain-steps",
+        "20",
+        "--layers",
+        "0",
+        "--count-ops",
+    )
     assert "(2 backbone parameters)" in out
     fedaval = float(out.split("ATen operations, fedaval (")[1].split("): ")[1].split()[0])
     plain = float(out.split("ATen operations, plain (50 steps): ")[1].split()[0])
@@ -176,11 +202,23 @@ def test_step_host_counts_each_sides_operations_per_step():
     assert "avalanche/base_sgd.py" in out and "fedaval/strategy.py" in out
 
 
-def test_step_host_with_null_graphs_measures_the_host_work_around_a_replay():
+def test_step_host_with_null_graphs_measures_the_host_work_around_a_replay(monkeypatch, capsys):
     """--null-graphs: fedaval with --cuda-graph-scope step on the CPU, every graph a replay that does
     nothing: what is left a step is the loop's own work (17.6 operations against the plain loop's 5.0
     on the CPU, session 30: the batch built and normalised, copied in, the outputs copied out)."""
-    out = run("step_host.py", "--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--null-graphs", "--count-ops")
+    out = in_process(
+        monkeypatch,
+        capsys,
+        "step_host.py",
+        "--rounds",
+        "3",
+        "--repeats",
+        "1",
+        "--plain-steps",
+        "20",
+        "--null-graphs",
+        "--count-ops",
+    )
     assert "every graph a replay that does nothing" in out and "fedaval's own host work" in out
     fedaval = float(out.split("ATen operations, fedaval (")[1].split("): ")[1].split()[0])
     plain = out.split("ATen operations, plain (50 steps): ")[1].split("\n")[0]
