@@ -169,6 +169,28 @@ def test_a_stacked_run_is_reproducible_and_reports_what_the_sequential_run_does(
             assert once["final"][key] == pytest.approx(value, abs=1e-3), key
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(precision="bf16", model="cnn"),  # the stacked forward and each criterion under autocast
+        # a new group of clients each round, offloaded between rounds: stacks made, kept and forgotten
+        dict(
+            scenario_options={"clients": 6, "tasks": 2}, clients_per_round=3, rounds_per_task=3, offload_clients="disk"
+        ),
+    ],
+    ids=["bf16", "sampled-offloaded"],
+)
+def test_a_stacked_run_reports_the_sequential_accuracies(tiny_config, tmp_path, settings):
+    from fedaval.api import run_training
+
+    final = {}
+    for stack in (False, True):
+        config = tiny_config(out=str(tmp_path / str(stack)), momentum=0.9, stack_clients=stack, **settings)
+        final[stack] = run_training(config)["final"]
+    for key in ("accuracy", "mean_client_accuracy", "forgetting"):
+        assert final[True][key] == pytest.approx(final[False][key], abs=1e-3), key
+
+
 @pytest.mark.parametrize("plugin", ["fedavg", "fednova", "fedrep", "fedreplay", "dp", "hgp"])
 @pytest.mark.filterwarnings("ignore:hgp. no -o hgp.weights")
 def test_every_method_stacking_allows_ends_where_its_sequential_run_ends(tiny_config, plugin):
