@@ -104,6 +104,14 @@ class RunConfig:
             if getattr(self, name) is None:
                 setattr(self, name, value)
 
+    def needs_local_backend(self, option: str) -> None:
+        """``option`` runs a round's clients in this one process: with another
+        ``--backend``, a one-line error."""
+        if self.backend != "local":
+            raise FedavalUsageError(
+                f"{option} needs --backend local (the clients of one process), not --backend {self.backend}"
+            )
+
     def validate(self) -> None:
         """Fill the per-dataset defaults, then one-line errors for values no run
         can use (NaN and infinite floats included: every comparison below is

@@ -63,10 +63,7 @@ def check(config: RunConfig, device: torch.device) -> None:
             f"--client-streams {k} needs a CUDA device; --device {config.device} is {device.type}: "
             "use --client-streams 1 or a GPU"
         )
-    if config.backend != "local":
-        raise FedavalUsageError(
-            f"--client-streams {k} needs --backend local (the clients of one process), not --backend {config.backend}"
-        )
+    config.needs_local_backend(f"--client-streams {k}")
 
 
 @functools.cache

@@ -109,10 +109,7 @@ def check(config: RunConfig, run: Run) -> None:
     """What ``--stack-clients`` needs of the run (see the module): one-line errors."""
     if not config.stack_clients:
         return
-    if config.backend != "local":
-        raise FedavalUsageError(
-            f"--stack-clients needs --backend local (the clients of one process), not --backend {config.backend}"
-        )
+    config.needs_local_backend("--stack-clients")
     if config.optimizer != "sgd":
         raise FedavalUsageError(
             f"--stack-clients needs --optimizer sgd, not {config.optimizer} (its update is PyTorch's SGD on the "
@@ -160,8 +157,7 @@ class Lockstep:
             self._cuda_index = torch.cuda.current_device() if device.index is None else device.index
         self.outside = current_streams(device)  # the global streams whenever no client runs
         self.seconds: list[float] = []
-        self.steps = 0  # stacked computations made
-        self._cond = threading.Condition()  # its lock guards the turns; a thread waits on its own condition:
+        self._lock = threading.RLock()  # guards the turns; each thread waits on a condition of its own:
         self._wake: list[threading.Condition] = []  # waking all at each turn cost ~0.3 ms a client's step
         self._turn: int | None = 0
         self._live: list[int] = []
@@ -183,7 +179,7 @@ class Lockstep:
         count = len(rounds)
         self.seconds = [0.0] * count
         self._live = list(range(count))
-        self._wake = [threading.Condition(self._cond._lock) for _ in range(count)]  # type: ignore[attr-defined]
+        self._wake = [threading.Condition(self._lock) for _ in range(count)]
         results: list[Any] = [None] * count
         threads = [
             threading.Thread(target=self._client, args=(slot, work, results), name=f"fedaval-client-{slot}")
@@ -216,7 +212,7 @@ class Lockstep:
         from fedaval.random_streams import swap_streams
 
         slot = self._slots[threading.get_ident()]
-        with self._cond:
+        with self._lock:
             self._waiting[slot] = (strategy, x, y)
             self._streams[slot] = swap_streams(self.outside, self.device)
             self._pass_turn(slot)
@@ -233,7 +229,7 @@ class Lockstep:
         if self.device.type == "cuda":  # a new thread's current device is the first GPU, not the caller's
             torch.cuda.set_device(self._cuda_index)
         try:
-            with self._cond:
+            with self._lock:
                 self._wait_turn(slot)
             results[slot] = work()
         except _Abort:
@@ -241,7 +237,7 @@ class Lockstep:
         except BaseException as exc:  # not the client's own failure (client_round reports those)
             self._stop(exc)
         finally:
-            with self._cond:
+            with self._lock:
                 if slot in self._live:
                     self._live.remove(slot)
                     if self._error is None:
@@ -271,7 +267,7 @@ class Lockstep:
             self._wake[self._turn].notify()
 
     def _stop(self, exc: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             if self._error is None:
                 self._error = exc
             for wake in self._wake:
@@ -295,18 +291,17 @@ class Lockstep:
         groups: dict[tuple, list[int]] = {}
         for slot, (strategy, x, y) in self._waiting.items():
             groups.setdefault(self._key(strategy, x, y), []).append(slot)
-        for slots in groups.values():
+        for key, slots in groups.items():
             start = time.perf_counter()
             entries = [self._waiting[s] for s in slots]
             outputs: list[Any]
             try:
-                outputs = self._stack(tuple(slots), [entry[0] for entry in entries]).step(entries)
+                outputs = self._stack(tuple(slots), [entry[0] for entry in entries]).step(entries, key)
             except FedavalUsageError as exc:
                 self._stop(exc)  # the same in every round: stops the run
                 return
             except Exception as exc:  # noqa: BLE001 - each client of the group failed this step
                 outputs = [exc] * len(slots)
-            self.steps += 1
             share = (time.perf_counter() - start) / len(slots)
             for slot, output in zip(slots, outputs):
                 self._outcomes[slot] = output
@@ -537,10 +532,11 @@ class _Stack:
                 b.data = b.data.clone()
 
     # --- the step ---------------------------------------------------------------
-    def step(self, entries: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> list[tuple]:
+    def step(self, entries: list[tuple[Any, torch.Tensor, torch.Tensor]], key: tuple) -> list[tuple]:
         """One SGD step of each client on its ``(x, y)`` (in the stack's
-        order): see the module. Returns each client's ``(features, logits,
-        loss)``, detached."""
+        order): see the module. ``key``: the group's (:meth:`Lockstep._key`),
+        what a graph of the step depends on besides the stack. Returns each
+        client's ``(features, logits, loss)``, detached."""
         flags = tuple(map(_REQUIRES_GRAD, self.client_params[0]))
         for stacked, flag in zip(self.params, flags):
             if stacked.requires_grad != flag:
@@ -554,7 +550,7 @@ class _Stack:
             self._update()
             features, logits, losses = features.detach(), logits.detach(), losses.detach()
         else:
-            features, logits, losses = self._replay(entries, flags)
+            features, logits, losses = self._replay(entries, key)
         return [(features[k], logits[k], losses[k : k + 1]) for k in range(len(entries))]
 
     def _forward(self, xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -625,10 +621,7 @@ class _Stack:
                     self._pointers = self.pointers()
 
     # --- the step as one CUDA graph (--cuda-graphs) -----------------------------------
-    def _replay(self, entries: list, flags: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x, y = entries[0][1], entries[0][2]
-        hyper = _hyperparameters(self.strategies[0].optimizer)
-        key = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, flags, hyper, len(entries))
+    def _replay(self, entries: list, key: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(entries)

@@ -151,48 +151,29 @@ def test_round_throughput_refuses_compile_with_the_backbones_graphs_and_streams_
     )
 
 
+def small_step_host(monkeypatch, capsys, *args: str) -> str:
+    """step_host.py in this process, 3 rounds, one repeat, 20 plain steps, and ``args``: its output."""
+    return in_process(
+        monkeypatch, capsys, "step_host.py", "--rounds", "3", "--repeats", "1", "--plain-steps", "20", *args
+    )
+
+
 def test_step_host_with_stacked_clients_measures_the_host_work_per_clients_step(monkeypatch, capsys):
-    args = ("--rounds", "3", "--repeats", "1", "--plain-steps", "20", "--stack-clients", "--null-graphs")
-    out = in_process(monkeypatch, capsys, "step_host.py", *args)
+    out = small_step_host(monkeypatch, capsys, "--stack-clients", "--null-graphs")
     assert "--stack-clients (its time per step: per client's step)" in out
     per_step = float(out.split("median: fedaval ")[1].split(" us/step")[0])
     assert 0 < per_step < 1e6
 
 
 def test_step_host_benchmark_runs(monkeypatch, capsys):
-    out = in_process(
-        monkeypatch,
-        capsys,
-        "step_host.py",
-        "--rounds",
-        "3",
-        "--repeats",
-        "1",
-        "--plain-steps",
-        "20",
-        "--local-epochs",
-        "1",
-    )
+    out = small_step_host(monkeypatch, capsys, "--local-epochs", "1")
     assert "62 backbone parameters" in out and "fedaval's own host work" in out
     outside = float(out.split("a client round outside its minibatches ")[-1].split(" ms")[0])
     assert 0 < outside < 1000  # the round's host seconds less its minibatches' span, per client
 
 
 def test_step_host_counts_each_sides_operations_per_step(monkeypatch, capsys):
-    out = in_process(
-        monkeypatch,
-        capsys,
-        "step_host.py",
-        "--rounds",
-        "3",
-        "--repeats",
-        "1",
-        "--plain-steps",
-        "20",
-        "--layers",
-        "0",
-        "--count-ops",
-    )
+    out = small_step_host(monkeypatch, capsys, "--layers", "0", "--count-ops")
     assert "(2 backbone parameters)" in out
     fedaval = float(out.split("ATen operations, fedaval (")[1].split("): ")[1].split()[0])
     plain = float(out.split("ATen operations, plain (50 steps): ")[1].split()[0])
@@ -206,19 +187,7 @@ def test_step_host_with_null_graphs_measures_the_host_work_around_a_replay(monke
     """--null-graphs: fedaval with --cuda-graph-scope step on the CPU, every graph a replay that does
     nothing: what is left a step is the loop's own work (17.6 operations against the plain loop's 5.0
     on the CPU, session 30: the batch built and normalised, copied in, the outputs copied out)."""
-    out = in_process(
-        monkeypatch,
-        capsys,
-        "step_host.py",
-        "--rounds",
-        "3",
-        "--repeats",
-        "1",
-        "--plain-steps",
-        "20",
-        "--null-graphs",
-        "--count-ops",
-    )
+    out = small_step_host(monkeypatch, capsys, "--null-graphs", "--count-ops")
     assert "every graph a replay that does nothing" in out and "fedaval's own host work" in out
     fedaval = float(out.split("ATen operations, fedaval (")[1].split("): ")[1].split()[0])
     plain = out.split("ATen operations, plain (50 steps): ")[1].split("\n")[0]

@@ -24,9 +24,9 @@ def counted(monkeypatch):
     sizes: list[int] = []
     step = stacked._Stack.step
 
-    def counting(self, entries):
+    def counting(self, entries, key):
         sizes.append(len(entries))
-        return step(self, entries)
+        return step(self, entries, key)
 
     monkeypatch.setattr(stacked._Stack, "step", counting)
     return sizes
@@ -227,7 +227,7 @@ def test_a_stacked_step_that_fails_fails_the_clients_it_stepped(tiny_config, mon
     from fedaval.build import build_run
     from fedaval.coordinator import run_round
 
-    def fails(self, entries):
+    def fails(self, entries, key):
         raise RuntimeError("CUDA out of memory")
 
     monkeypatch.setattr(stacked._Stack, "step", fails)

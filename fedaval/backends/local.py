@@ -201,13 +201,14 @@ class LocalBackend:
 
         extras = extras or {}
         if run.config.stack_clients:
-            return self._stacked(run, client_ids, download, round, extras)
-        streams = ClientStreams(run.device, run.config.client_streams)  # --client-streams: one stream, or K
-        results = []
-        for index, k in enumerate(client_ids):
-            with streams.client(index):
-                results.append(client_round(run, run.clients[k], download, round, extras.get(k), settle_now=False))
-        streams.join()
+            results = self._stacked(run, client_ids, download, round, extras)
+        else:
+            streams = ClientStreams(run.device, run.config.client_streams)  # --client-streams: one stream, or K
+            results = []
+            for index, k in enumerate(client_ids):
+                with streams.client(index):
+                    results.append(client_round(run, run.clients[k], download, round, extras.get(k), settle_now=False))
+            streams.join()
         start = time.perf_counter()
         settle(results)  # the round's one wait for the device (see settle)
         if results:
@@ -219,7 +220,8 @@ class LocalBackend:
     ) -> list[ClientRound]:
         """``--stack-clients``: the clients' rounds taking turns, their steps
         computed together (:mod:`fedaval.stacked`); the stacks kept from
-        round to round, for the same clients' next steps together."""
+        round to round, for the same clients' next steps together. Not yet
+        settled."""
         from fedaval.stacked import Lockstep, Stacks
 
         if self.stacks is None:
@@ -232,8 +234,4 @@ class LocalBackend:
         results = lockstep.run([work(k) for k in client_ids])
         for result, seconds in zip(results, lockstep.seconds):
             result.seconds = seconds  # its own turns and its share of the stacked steps, not the round's span
-        start = time.perf_counter()
-        settle(results)
-        if results:
-            results[-1].seconds += time.perf_counter() - start
         return results
