@@ -34,7 +34,13 @@ def run_training(
     config = check_settings(settings)
     assert config.out is not None, "check_settings chooses the run folder"
     out_dir = Path(config.out)
-    run = build_run(config, extra_plugins=extra_plugins, out_dir=out_dir)
+    new = _outermost_missing(out_dir)
+    try:
+        run = build_run(config, extra_plugins=extra_plugins, out_dir=out_dir)
+    except BaseException:
+        if new is not None:
+            _remove_empty_folders(new)  # a refused run leaves no folder behind; any file in it stays
+        raise
     try:
         atomic_write_json(out_dir / "config.json", config.to_dict())
     except OSError as exc:
@@ -56,6 +62,33 @@ def check_settings(settings: dict[str, Any] | RunConfig) -> RunConfig:
     check_out_dir(out_dir)
     config.out = str(out_dir)
     return config
+
+
+def _outermost_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` (itself included) that does not exist
+    yet: the one a run creates with its run folder. ``None`` if ``path`` exists."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
+def _remove_empty_folders(top: Path) -> None:
+    """Remove ``top`` and the folders under it, deepest first, if they hold no
+    file: what :func:`run_training` created for a run that was refused while
+    it was being built (a plugin's set-up raising, say). A folder with any
+    file in it is left as it is."""
+    import os
+
+    if not top.is_dir():
+        return
+    for folder, _, _ in os.walk(top, topdown=False):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass  # not empty: something was written, keep it
 
 
 def _check_names(config: RunConfig) -> None:

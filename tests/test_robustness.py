@@ -253,6 +253,33 @@ def test_ctrl_c_before_the_first_round_is_one_line(tmp_path):
     assert "interrupted before the run's first round finished" in line
 
 
+class RefuseSetUp:
+    """A plugin that refuses the run in its set-up, after the run folder is made."""
+
+    name = "refuse-setup"
+
+    @hookimpl
+    def fedaval_setup(self, run):
+        from fedaval.errors import FedavalUsageError
+
+        raise FedavalUsageError("refuse-setup refuses this run")
+
+
+@pytest.mark.parametrize("plugin", ["RefuseSetUp", "InterruptSetUp"])
+def test_a_run_refused_while_it_is_built_leaves_no_folder_behind(tmp_path, plugin):
+    args = ["--plugins", f"test_robustness:{plugin}", *TINY]
+    code = 2 if plugin == "RefuseSetUp" else 130
+    one_line_error(["train", "--out", str(tmp_path / "new" / "run"), *args], code=code)
+    assert not (tmp_path / "new").exists(), "the folders this run made are removed"
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("x")
+    one_line_error(["train", "--out", str(kept), *args], code=code)
+    assert (kept / "notes.txt").read_text() == "x", "a folder the run did not make, and its files, stay"
+    one_line_error(["train", "--out", str(kept / "run"), *args], code=code)
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+
+
 # ---------------------------------------------------------------- competing plugins
 
 
