@@ -233,10 +233,31 @@ class Client:
         state = self.model.state_dict()
         return dict(zip(self.shared_keys, copies([state[key] for key in self.shared_keys])))
 
+    def seen_test_experiences(self) -> list[Any]:
+        """The test experiences of the classes this client has trained on
+        (:meth:`seen_classes`): one per task it started, holding the classes
+        that task taught it first *among the tasks it trained*. A task it
+        never trained (not sampled in any of its stage's rounds) teaches it
+        nothing, so a class that came first in such a task and again in a
+        later one it trained is tested with the later one. ``test_stream``
+        assigns each class to the first task of the client's whole list,
+        trained or not: evaluated over the started tasks it left such a
+        class out of the client's accuracy while ``a_glo`` counted it."""
+        from fedaval.streams import shared_test_stream
+
+        started = set(self.tasks_started)
+        if all(t in started for t in range(max(started, default=-1) + 1)):
+            stream = self.test_stream  # no task skipped: the same experiences
+        else:
+            trained = [classes if t in started else [] for t, classes in enumerate(self.tasks.classes)]
+            stream = shared_test_stream(self.run, trained)
+        return [stream[t] for t in sorted(started) if stream[t] is not None]
+
     def evaluate(self) -> dict[str, Any]:
         """Avalanche metrics of this client's model on its seen test
-        experiences (what the core's ``fedaval_client_evaluate`` runs)."""
-        exps = [self.test_stream[t] for t in sorted(self.tasks_started) if self.test_stream[t] is not None]
+        experiences (:meth:`seen_test_experiences`; what the core's
+        ``fedaval_client_evaluate`` runs)."""
+        exps = self.seen_test_experiences()
         if not exps:
             return {}
         return self.strategy.eval(exps)

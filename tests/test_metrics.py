@@ -276,6 +276,77 @@ def test_a_sel_differs_from_a_loc_when_clients_are_sampled(tmp_path):
     assert 0 < scenario["data_fraction_used"] <= 1 and scenario["effective_imbalance"] >= 1
 
 
+class SeenClassesProbe:
+    """At each stage's end: GLDP's A_loc of both predictions recomputed on each
+    started client's seen classes, and how many of those classes the client's
+    whole-list test stream (``test_stream``) puts in a task it never trained."""
+
+    name = "seen-probe"
+
+    def __init__(self):
+        self.a_loc: list[tuple[int, float, float]] = []  # (round, GLDP-GP, GLDP-LP)
+        self.in_skipped_tasks = 0
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        from fedaval.plugins.gldp import base_features
+        from fedaval.prototypes import nearest_prototype_scores
+        from fedaval.streams import indices_of_classes, make_dataset, new_classes
+
+        if not run.now.task_ends:
+            return None
+        gldp = run.plugins.objects["gldp"]
+        accs: dict[str, list[float]] = {"global": [], "local": []}
+        for client in run.clients:
+            if not client.tasks_started:
+                continue
+            seen = client.seen_classes()
+            whole_list = {c for t in client.tasks_started for c in new_classes(client.tasks.classes)[t]}
+            self.in_skipped_tasks += len(set(seen) - whole_list)
+            test = make_dataset(run.data, "test", indices_of_classes(run.data, seen))
+            features, labels = base_features(client.model, test, run.device, run=run)
+            for predict, values in accs.items():
+                scores = nearest_prototype_scores(features, gldp.prototypes_for(client, predict), run.num_classes)
+                values.append(float((scores.argmax(dim=1) == labels).float().mean()))
+        self.a_loc.append((round, *(sum(v) / len(v) for v in accs.values())))
+        return None
+
+
+def test_clients_are_tested_on_every_class_they_trained_on_when_they_skipped_a_stage(tmp_path, monkeypatch):
+    """A client not sampled in any round of a stage has not trained it; a class
+    that came first in that stage and again in a later stage it trained is one
+    of its seen classes (a_glo counts it) and must be in its own test set too
+    (a_loc and a_sel through the core's evaluation, GLDP's A_loc of both
+    predictions), where it was left out."""
+    from fedaval.api import run_training
+    from fedaval.strategy import FederatedStrategy
+
+    tested = []
+    eval_experiences = FederatedStrategy.eval
+
+    def recording_eval(self, exps, **kwargs):
+        if self.client is not None:  # the server's model is tested on the federation's classes
+            labels = {int(y) for e in exps for y in e.dataset.targets}
+            tested.append((self.client.id, labels, set(self.client.seen_classes())))
+        return eval_experiences(self, exps, **kwargs)
+
+    monkeypatch.setattr(FederatedStrategy, "eval", recording_eval)
+    probe = SeenClassesProbe()
+    scenario = {"clients": 10, "classes_per_task": 2, "tasks": 3, "imbalance": 10.0}
+    config = tiny_run_config(
+        tmp_path / "run", plugins=["gldp"], scenario="sthfl", scenario_options=scenario, clients_per_round=5
+    )
+    results = run_training(config, extra_plugins=[probe])
+    assert probe.in_skipped_tasks > 0, "the setting must have a class first met in a skipped stage"
+    assert tested
+    for client_id, labels, seen in tested:
+        assert labels == seen, f"client {client_id} tested on {sorted(labels)}, trained on {sorted(seen)}"
+    reported = {r["round"]: r["plugin_metrics"]["gldp"] for r in results["rounds"] if r["task_end"]}
+    for round, gp, lp in probe.a_loc:
+        assert reported[round]["gldp_a_loc_gp"] == pytest.approx(gp, abs=1e-6)
+        assert reported[round]["gldp_a_loc_lp"] == pytest.approx(lp, abs=1e-6)
+
+
 def test_idle_clients_keep_their_result_unless_a_plugin_calls_it_stale(tmp_path):
     """A client not trained since its last evaluation keeps its result; a
     ``fedaval_client_evaluation_stale`` returning True has it evaluated again

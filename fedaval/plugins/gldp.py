@@ -226,9 +226,7 @@ class GLDP(PersonalHead, Plugin):
                 continue
             cached = self.eval_cache.get(client.id)
             if cached is None or cached[0] < client.trained_at:
-                exps = [
-                    client.test_stream[t] for t in sorted(client.tasks_started) if client.test_stream[t] is not None
-                ]
+                exps = client.seen_test_experiences()
                 if not exps:
                     continue
                 feats, labels = zip(*(base_features(client.model, e.dataset, run.device, run=run) for e in exps))
