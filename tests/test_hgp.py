@@ -281,3 +281,22 @@ def test_with_seen_classes_the_exchange_statistics_are_what_clients_resend(tiny_
             assert torch.allclose(stored.mean, g.mean, atol=1e-6) and torch.allclose(stored.cov, g.cov, atol=1e-6)
             checked += 1
     assert checked
+
+
+def test_the_feature_cache_keeps_fp32_features_whatever_autocast_is_on():
+    """Under --precision bf16 (autocast) the frozen backbone's cached features
+    are the fp32 ones, so HGP's statistics and a later fp32 pass read fp32."""
+    from fedaval.plugins.hgp_backbones import FeatureCache
+
+    torch.manual_seed(0)
+    backbone = torch.nn.Linear(12, 8)
+    backbone.feature_dim = 8
+    x = torch.randn(5, 12)
+    with torch.no_grad():
+        exact = backbone(x)
+    cache = FeatureCache(backbone)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_bf16 = cache(x)
+    assert under_bf16.dtype == torch.float32 and torch.equal(under_bf16, exact)
+    again = cache(x)  # served from the cache, in fp32
+    assert cache.hits == 5 and again.dtype == torch.float32 and torch.equal(again, exact)

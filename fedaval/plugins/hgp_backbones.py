@@ -200,7 +200,10 @@ class FeatureCache(nn.Module):
     whichever client or evaluation sees it. HGP uses it only with
     ``--augment none``: augmented images are new every epoch, so the cache
     would only miss and grow. One cache object is shared by all the models of a
-    run (and by later runs in the process with the same backbone)."""
+    run (and by later runs in the process with the same backbone). Features are
+    encoded and kept in fp32 even under ``--precision bf16``: a run's first
+    pass over an image would otherwise fix its precision for every later one
+    (HGP's uploaded statistics and the next run's fp32 layers included)."""
 
     def __init__(self, backbone: nn.Module, max_items: int = 200_000):
         super().__init__()
@@ -223,8 +226,10 @@ class FeatureCache(nn.Module):
         keys = [self.key(img) for img in cpu]
         todo = [i for i, k in enumerate(keys) if k not in self.store]
         if todo:
-            with torch.no_grad():
-                fresh = self.backbone(x[todo]).detach().to("cpu")
+            # in fp32 whatever autocast (--precision bf16) is on: a cached feature serves every later
+            # pass and run of the process, fp32 or bf16, and HGP's class statistics read it
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+                fresh = self.backbone(x[todo].float()).detach().to("cpu", torch.float32)
             for i, f in zip(todo, fresh):
                 if len(self.store) < self.max_items:
                     self.store[keys[i]] = f.clone()
