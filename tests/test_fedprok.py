@@ -305,13 +305,17 @@ def test_without_fusion_each_client_remeasures_its_own_task0_prototypes(tiny_con
         assert gaps and max(gaps.values()) < 1e-4, gaps
 
 
-# --- reading 6: previous classes are the client's own earlier-task classes ------
+# --- reading 6: previous classes are the federation's earlier-task classes ---------
 
 
-def test_previous_classes_are_the_clients_own_earlier_task_classes(tiny_config, monkeypatch):
+def test_previous_classes_are_every_clients_earlier_task_classes(tiny_config, monkeypatch):
+    """Sec. 3.1: previous classes are the union over i < t of C^i, every
+    client's classes of task i. In fcil-async a client translates the classes
+    of earlier tasks that only other clients held (its fused list has their
+    prototypes), and never another client's class of the current task."""
     from fedaval.plugins import fedprok
 
-    seen = []  # (client's own earlier classes less current, classes translated)
+    seen = []  # (client's own earlier classes, federation's earlier classes less current, list, translated)
     original = fedprok.plan_translation
 
     class Who:
@@ -324,24 +328,27 @@ def test_previous_classes_are_the_clients_own_earlier_task_classes(tiny_config, 
 
     def spy(old_classes, *args):
         c = Who.client
-        own = {k for t in range(c.task) for k in c.tasks.classes[t]} - set(c.tasks.classes[c.task])
-        seen.append((own, set(old_classes)))
+        stages = c.run.federation_task_classes()
+        current = set(c.tasks.classes[c.task])
+        own = {k for t in range(c.task) for k in c.tasks.classes[t]} - current
+        previous = {k for t in range(c.task) for k in stages[t]} - current
+        listed = set(c.stash.get(fedprok.LIBRARY) or {})
+        seen.append((own, previous, listed, set(old_classes)))
         return original(old_classes, *args)
 
     monkeypatch.setattr(fedprok, "plan_translation", spy)
-    results = run_training(
+    run_training(
         tiny_config(
             plugins=["fedprok"],
             scenario="fcil-async",
-            scenario_options={"clients": 3, "tasks": 2, "consensus": 0.5},
+            scenario_options={"clients": 3, "tasks": 3, "consensus": 0.5},
         ),
         extra_plugins=[Who()],
     )
-    fused = {c for t in results["scenario"]["federation_task_classes"] for c in t}
     assert seen
-    assert all(old == own for own, old in seen), seen[:3]
-    # the fused list holds classes a client never had: they are not translated
-    assert any(own < fused for own, _ in seen)
+    for _, previous, listed, old in seen:
+        assert old == previous & listed
+    assert any(old - own for own, _, _, old in seen), "some class only other clients held is translated"
 
 
 # --- Algorithm 1, line 13: uniform 1/K averaging as an option ----------------------

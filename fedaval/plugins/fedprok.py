@@ -64,10 +64,16 @@ Readings chosen where the paper is open (each pinned by a test in
    48.18% (CPU-scale Table 1, mean of 3 seeds) and 49.47% (full scale, seed
    42), below the paper's 64.34 (``benchmarks/fedprok_ceiling.py``,
    docs/reproduction.md).
-6. *"Previous" classes of a client*: the paper's union over i < t of the
-   client's own task classes (less its current classes), looked up in its
-   prototype list (the fused list with fusion). Classes that only other
-   clients held are in that list but are not translated.
+6. *"Previous" classes of a client*: the paper's union over i < t of C^i,
+   the classes any client had at task i (Sec. 3.1 defines C^t as the union
+   over the clients; Fig. 2: "the previous classes of the entire federated
+   system"), less the client's current classes, looked up in its prototype
+   list (the fused list with fusion; without fusion the client's own list,
+   so only its own classes). Other clients' classes of the *current* task
+   are not previous classes and are not translated. Until session 33 the
+   union was of the client's own earlier classes: the same in fcil-sync,
+   where every client's task is the whole class group, but in fcil-async
+   classes only other clients had held were never translated.
 7. *Weight fusion* (Algorithm 1, line 13 writes ``1/K sum_k theta_k``):
    ``-o fedprok.weighting=uniform`` averages the weights with 1/K;
    ``samples`` (the default) keeps FedAvg's sample-weighted mean, which the
@@ -283,12 +289,12 @@ class FedProK(Plugin):
         return class_prototypes(*extract_features(client.model, exp.dataset, run.device, run=run))
 
     def previous_classes(self, client) -> list[int]:
-        """Reading 6: the paper's union over i < t of the client's own task
-        classes, less the classes of its current task."""
+        """Reading 6: the paper's previous classes, the union over i < t of
+        C^i, where C^i is the union of every client's classes of task i
+        (Sec. 3.1), less the classes of the client's current task."""
+        stages = client.run.federation_task_classes()
         now = set(client.tasks.classes[client.task]) if client.task < client.tasks.num_tasks else set()
-        return sorted(
-            {c for t in range(min(client.task, client.tasks.num_tasks)) for c in client.tasks.classes[t]} - now
-        )
+        return sorted({c for t in range(min(client.task, len(stages))) for c in stages[t]} - now)
 
     @hookimpl
     def fedaval_client_loss(self, run, client, batch):
