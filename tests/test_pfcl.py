@@ -205,3 +205,53 @@ def test_one_temperature_for_the_classifier_and_the_distillation():
     assert PFCL().options.temperature == 2.0
     with pytest.raises(FedavalUsageError, match="classifier_temperature"):
         build_options(PFCL.Options, {"classifier_temperature": "1"}, owner="pfcl")
+
+
+# --- how much L_D can pass on: the teacher's soft labels' entropy ---------------------
+
+
+def test_normalised_entropy_is_one_for_uniform_and_zero_for_one_hot_labels():
+    import math
+
+    import torch
+
+    from fedaval.plugins.pfcl_math import normalised_entropy, teacher_soft_labels
+
+    assert normalised_entropy(torch.full((3, 4), 0.25)).item() == pytest.approx(1.0)
+    assert normalised_entropy(torch.eye(4)).item() == pytest.approx(0.0, abs=1e-6)
+    assert normalised_entropy(torch.ones(2, 1)).item() == 0.0
+    two = torch.tensor([[0.9, 0.1]])
+    assert normalised_entropy(two).item() == pytest.approx(-(0.9 * math.log(0.9) + 0.1 * math.log(0.1)) / math.log(2))
+    # features and prototypes within 0.1 of each other: at T = 2 the soft labels are near uniform,
+    # at T = 0.01 they are not
+    torch.manual_seed(0)
+    prototypes = 0.05 * torch.randn(5, 16)
+    features = prototypes[torch.tensor([0, 1, 2, 3, 4, 0])] + 0.01 * torch.randn(6, 16)
+    assert normalised_entropy(teacher_soft_labels(features, prototypes, 2.0)) > 0.99
+    assert normalised_entropy(teacher_soft_labels(features, prototypes, 0.01)) < 0.5
+
+
+@pytest.mark.parametrize("temperature, flat", [(2.0, True), (0.05, False)])
+def test_the_teachers_entropy_is_reported_and_a_near_uniform_teacher_is_said(tiny_config, caplog, temperature, flat):
+    """pfcl/teacher_entropy is in every round in which L_D acts (from the second
+    task on); a near-uniform teacher (digits' small MLP features at the paper's
+    T = 2) is said once, in a warning; a sharper T gives informative soft labels."""
+    import logging
+
+    config = tiny_config(
+        plugins=["pfcl"],
+        scenario_options={"clients": 2, "tasks": 3},
+        plugin_options={"pfcl": {"temperature": temperature}},
+    )
+    with caplog.at_level(logging.WARNING, logger="fedaval"):
+        results = run_training(config)
+    entropies = [r["losses"].get("pfcl/teacher_entropy") for r in results["rounds"]]
+    assert entropies[:2] == [None, None]  # task 0: no teacher yet
+    assert all(e is not None and 0 < e <= 1 for e in entropies[2:])
+    warnings = [m for m in caplog.messages if "teacher's soft labels were near uniform" in m]
+    if flat:
+        assert min(entropies[2:]) > 0.99 and len(warnings) == 1
+    else:
+        assert max(entropies[2:]) < 0.5 and not warnings
+    off = run_training(tiny_config(plugins=["pfcl"], plugin_options={"pfcl": {"alpha": 0}}, out=config.out + "-nold"))
+    assert all("pfcl/teacher_entropy" not in r["losses"] for r in off["rounds"])

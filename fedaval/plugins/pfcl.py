@@ -56,6 +56,7 @@ Readings where the paper is silent:
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -72,6 +73,14 @@ RECEIVED = StashKey[dict]("pfcl.received")  # the global library last received
 MEMORY = StashKey[Any]("pfcl.memory")  # exemplars: indices into the run's training set
 TEACHER = StashKey[tuple]("pfcl.teacher")  # (frozen model, {class: its prototype})
 FRESH = StashKey[int]("pfcl.fresh")  # round whose prototypes are in LOCAL
+# sums of the teacher's normalised entropy and the minibatches it was taken on: this round, this task
+TEACHER_ENTROPY = StashKey[list]("pfcl.teacher_entropy")
+
+# the teacher's soft labels are called near uniform above this mean normalised entropy
+FLAT = 0.99
+# runs whose near-uniform teacher was said (once per run and process: a plugin attribute changed in a
+# client's round would not come back from a Ray worker)
+FLAT_SAID: weakref.WeakSet = weakref.WeakSet()
 
 
 class PFCL(Plugin):
@@ -168,7 +177,13 @@ class PFCL(Plugin):
 
     @hookimpl
     def fedaval_client_loss(self, run, client, batch):
-        from fedaval.plugins.pfcl_math import distillation_loss, prototype_regulariser, stack_library
+        from fedaval.plugins.pfcl_math import (
+            distillation_from,
+            normalised_entropy,
+            prototype_regulariser,
+            stack_library,
+            teacher_soft_labels,
+        )
 
         terms = {}
         teacher = client.stash.get(TEACHER)
@@ -179,19 +194,65 @@ class PFCL(Plugin):
             student_protos = torch.stack([local[c] for c in classes])
             with torch.no_grad():
                 teacher_features = model.features(batch.x)
-            terms["pfcl_distillation"] = self.options.alpha * distillation_loss(
-                batch.features, student_protos, teacher_features, teacher_protos, self.options.temperature
+                target = teacher_soft_labels(teacher_features, teacher_protos, self.options.temperature)
+                flatness = normalised_entropy(target)
+            sums = client.stash.setdefault(TEACHER_ENTROPY, lambda: [0.0, 0, 0.0, 0])
+            sums[:] = [sums[0] + flatness, sums[1] + 1, sums[2] + flatness, sums[3] + 1]  # no read: no GPU wait
+            terms["pfcl_distillation"] = self.options.alpha * distillation_from(
+                target, batch.features, student_protos, self.options.temperature
             )
         received = client.stash.get(RECEIVED)
         if self.options.beta > 0 and received:
             terms["pfcl_prototype"] = self.options.beta * prototype_regulariser(batch.features, batch.y, received)
         return terms
 
+    @hookimpl(wrapper=True)
+    def fedaval_client_train(self, run, client, round):
+        """The round's mean normalised entropy of the teacher's soft labels
+        (``pfcl/teacher_entropy``, 1 = uniform; only in rounds where L_D acts):
+        how much L_D can pass on (:func:`~fedaval.plugins.pfcl_math.normalised_entropy`)."""
+        losses = yield
+        sums = client.stash.get(TEACHER_ENTROPY)
+        if losses is not None and sums is not None and sums[1]:
+            losses = {**losses, "pfcl/teacher_entropy": sums[0] / sums[1]}
+        if sums is not None:
+            sums[:2] = [0.0, 0]
+        return losses
+
+    def warn_if_flat(self, run, client, task: int) -> None:
+        """Once per run: a warning when the teacher's soft labels were near
+        uniform over a task (L_D then does almost nothing). One read of the
+        task's sums, at its end."""
+        sums = client.stash.get(TEACHER_ENTROPY)
+        if sums is None or not sums[3]:
+            return
+        task_sum, task_count = sums[2:]
+        sums[2:] = [0.0, 0]  # the task's last round is reported after this (fedaval_client_train)
+        if run in FLAT_SAID:
+            return
+        flatness = float(task_sum / task_count)
+        if flatness >= FLAT:
+            import logging
+
+            FLAT_SAID.add(run)
+            logging.getLogger("fedaval").warning(
+                "pfcl: the teacher's soft labels were near uniform in task %d of client %d (normalised entropy "
+                "%.3f; 1 = uniform): L_D passes almost nothing on, because the prototypes lie close together "
+                "against pfcl.temperature=%g (the paper's T for its ResNet-34's features); see "
+                "pfcl/teacher_entropy in results.json and docs/methods.md",
+                task,
+                client.id,
+                flatness,
+                self.options.temperature,
+            )
+
     @hookimpl
     def fedaval_client_task_end(self, run, client, task):
         """Algorithm 2, lines 9-12: prototypes, then memory by Eq. (9), then
         freeze the teacher."""
         from fedaval.plugins.pfcl_math import memory_quota, select_exemplars
+
+        self.warn_if_flat(run, client, task)
 
         indices, y, features = self._features(run, client, task)
         self._set_local(run, client, features, y)

@@ -8,6 +8,8 @@ A *library* is a ``dict[int, Tensor]`` from class id to its prototype
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -68,6 +70,15 @@ def temperature_softmax(logits: torch.Tensor, temperature: float) -> torch.Tenso
     return torch.softmax(logits / temperature, dim=-1)
 
 
+def teacher_soft_labels(
+    teacher_features: torch.Tensor, teacher_prototypes: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """Eq. (8)'s soft labels ``[B, K]``: the frozen previous-task model's
+    temperature softmax over its prototype distances,
+    y_k = softmax_k(-dis(theta_old(x), p_k^old)/T)."""
+    return torch.softmax(-euclidean_distances(teacher_features, teacher_prototypes) / temperature, dim=-1)
+
+
 def distillation_loss(
     student_features: torch.Tensor,
     student_prototypes: torch.Tensor,
@@ -76,16 +87,36 @@ def distillation_loss(
     temperature: float,
 ) -> torch.Tensor:
     """L_D, Eqs. (6)-(8): -sum_i y_i log(y^_i), averaged over the batch, where
-    the soft label y is the frozen previous-task model's temperature softmax
-    over its prototype distances, y_k = softmax_k(-dis(theta_old(x), p_k^old)/T),
-    and y^ the current model's, over its own prototypes of the same classes
+    the soft label y is :func:`teacher_soft_labels` and y^ the current
+    model's temperature softmax over its own prototypes of the same classes
     (rows of the two prototype matrices are the same classes, in order).
 
     Reading: z_k = -dis(theta(x), p_k) in Eq. (7), so T divides the distance
     once (Eq. 8), and the classes are those the teacher knew."""
-    target = torch.softmax(-euclidean_distances(teacher_features, teacher_prototypes) / temperature, dim=-1)
+    target = teacher_soft_labels(teacher_features, teacher_prototypes, temperature)
+    return distillation_from(target, student_features, student_prototypes, temperature)
+
+
+def distillation_from(
+    target: torch.Tensor, student_features: torch.Tensor, student_prototypes: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """:func:`distillation_loss` given the teacher's soft labels ``target``."""
     log_pred = F.log_softmax(-euclidean_distances(student_features, student_prototypes) / temperature, dim=-1)
     return -(target.detach() * log_pred).sum(-1).mean()
+
+
+def normalised_entropy(probabilities: torch.Tensor) -> torch.Tensor:
+    """Mean over the rows of H(p) / ln K (K = the number of columns): 1 for
+    uniform rows, 0 for one-hot ones (and for K = 1). Of the teacher's soft
+    labels it says how much L_D can pass on: near 1 the student is pulled
+    towards a uniform guess, whatever the teacher learned, and L_D's
+    gradient is nearly 0 (the distances between prototypes are small against
+    T)."""
+    k = probabilities.shape[-1]
+    if k < 2:
+        return probabilities.new_zeros(())
+    entropy = -(probabilities * probabilities.clamp_min(1e-12).log()).sum(-1)
+    return entropy.mean() / math.log(k)
 
 
 def prototype_regulariser(
