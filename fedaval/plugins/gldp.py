@@ -14,13 +14,15 @@
   each class n of its current-task data (eval mode), and uploads them with
   that round's base weights.
 * Local prototype set (Eq. 9): ``C^_i^n <- beta C^_i^n + (1-beta) C_i^n``
-  after every local round (Algorithm 1, line 15), a new class added as it is.
-  So beta compounds over rounds: after R rounds of a later stage, a class's
-  prototype from an earlier stage keeps beta^R of its weight (0.5^10 = 0.001
-  at the paper's 10 rounds per stage), where Eq. 9's stage index (m) and the
-  project's digest ("EMA over stages") would keep beta. That reading (the
-  local set moved once per stage, L_LP against the earlier stages' set) was
-  set aside in issue 18: it leaves L_LP exactly 0 in every M = 1 run.
+  after every local round the client is sampled in, a new class added as it
+  is. A reading between the paper's two: Algorithm 1's line 15 sits in the
+  local-epoch loop (every epoch), Eq. 9's stage index (m) and the project's
+  digest ("EMA over stages") move the set once per stage. So beta compounds
+  over the client's rounds: a class's prototype from an earlier stage keeps
+  beta^r of its weight after r more of them. The once-per-stage reading (L_LP
+  against the earlier stages' set) was set aside in issue 18: it leaves L_LP
+  exactly 0 in every M = 1 run, which the paper's "pre-stage and post-stage"
+  account of L_LP (Table 4) may well mean (docs/methods.md, GLDP item 3).
 * Global prototype set (Eq. 11), on the server, every round (Algorithm 1,
   lines 5-6): ``C~^n <- beta C~^n + (1-beta) mean_{i in N_n} C_i^n``, N_n =
   the clients of the round that uploaded class n; a class new to the set is
@@ -166,8 +168,9 @@ class GLDP(PersonalHead, Plugin):
 
     @hookimpl
     def fedaval_client_upload(self, run, client):
-        """Algorithm 1, lines 14-15: this round's prototypes C_i (Eq. 6) are
-        uploaded and folded into the local set (Eq. 9)."""
+        """Algorithm 1, lines 14 and 18: this round's prototypes C_i (Eq. 6)
+        are uploaded; they are folded into the local set (Eq. 9) once a
+        round, not each epoch as line 15 has it (the module's reading)."""
         client.stash.pop(PLAN, None)  # the local set changes now
         exp = client.train_stream[client.task]
         if exp is None:
