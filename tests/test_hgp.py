@@ -14,7 +14,7 @@ from fedaval.build import build_run
 from fedaval.coordinator import run_round
 from fedaval.errors import FedavalUsageError
 from fedaval.plugins.fedavg import weighted_average
-from fedaval.plugins.hgp import client_features
+from fedaval.plugins.hgp import STATS, client_features
 
 pytestmark = pytest.mark.slow  # whole trainings
 
@@ -96,6 +96,8 @@ def test_backbone_frozen_prompts_train_uploads_and_rebalancing(tiny_config):
     seen = {c for k in run.clients for t in (0, 1) for c in k.tasks.classes[t]}
     hgp = run.plugins.objects["hgp"]
     assert set(hgp.memory) == seen
+    # with stats_classes=task (the default) nothing is re-sent later, so no client keeps its Gaussians
+    assert all(STATS not in k.stash for k in run.clients)
     assert set(probe.uploads[0].get("hgp_gaussians")) == set(run.clients[probe.uploads[0].client_id].tasks.classes[1])
 
 

@@ -146,3 +146,18 @@ def test_prefix_attention_by_hand():
     w = torch.softmax(torch.tensor([0.0, 1.0 / math.sqrt(2)]), 0)
     expected = w[0] * torch.tensor([2.0, 2.0]) + w[1] * torch.tensor([1.0, 0.0])
     assert torch.allclose(prefix_attention(x, attn, pk, pv)[0, 0], expected, atol=1e-6)
+
+
+def test_a_pickled_gaussian_leaves_its_cached_factor_behind():
+    """The float64 factor is cached for sampling but not carried by a
+    checkpoint, an offloaded client or a Ray transfer; it is made again."""
+    import pickle
+
+    from fedaval.plugins.hgp_gaussian import ClassGaussian
+
+    g = ClassGaussian(count=5, mean=torch.zeros(4), cov=torch.eye(4) * 2.0)
+    factor = g.scale(1e-4)
+    assert g._scale_cache is not None
+    copy = pickle.loads(pickle.dumps(g))
+    assert not hasattr(copy, "_scale_cache")
+    assert torch.equal(copy.cov, g.cov) and torch.allclose(copy.scale(1e-4), factor)

@@ -242,9 +242,10 @@ class HGP(Plugin):
 
         features, labels = client_features(run, client)
         fresh = class_gaussians(features, labels, self.options.covariance)
-        mine = client.stash.setdefault(STATS, dict)
-        mine.update(fresh)
-        send = mine if self.options.stats_classes == "seen" else fresh
+        send = fresh
+        if self.options.stats_classes == "seen":  # every class seen so far goes up: keep them
+            send = client.stash.setdefault(STATS, dict)
+            send.update(fresh)
         return {"hgp_gaussians": {c: g.to_payload() for c, g in sorted(send.items())}}
 
     # --- server -----------------------------------------------------------

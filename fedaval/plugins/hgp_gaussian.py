@@ -54,6 +54,14 @@ class ClassGaussian:
             self._scale_cache = cached
         return cached[1]
 
+    def __getstate__(self) -> dict:
+        """Without the cached factor: a checkpoint, an offloaded client or a
+        Ray transfer need not carry a float64 D x D matrix per Gaussian (4.7 MB
+        at D = 768); it is computed again when first needed."""
+        state = dict(self.__dict__)
+        state.pop("_scale_cache", None)
+        return state
+
     def to_payload(self) -> dict:
         return {"count": self.count, "mean": self.mean, "cov": self.cov}
 
