@@ -415,3 +415,82 @@ def test_gldp_gp_a_loc_uses_the_latest_global_set_for_idle_clients(tiny_config):
         if r["task_end"]:
             assert r["a_loc"] == pytest.approx(r["plugin_metrics"]["gldp"]["gldp_a_loc_gp"], abs=1e-6)
     assert idle_checked  # some started client sat a stage's last round out: the case that was wrong
+
+
+# --- when the local set moves: local_update = round | epoch | stage -------------------
+
+
+class LocalSetProbe:
+    """Per (round, client): the local set as the round begins, the prototypes
+    uploaded, and the local set after the upload."""
+
+    name = "local-set-probe"
+
+    def __init__(self):
+        self.before: dict[tuple[int, int], dict] = {}
+        self.uploaded: dict[tuple[int, int], dict] = {}
+        self.after: dict[tuple[int, int], dict] = {}
+
+    @hookimpl
+    def fedaval_client_receive(self, run, client, download):
+        self.before[(run.round, client.id)] = {c: p.clone() for c, p in client.stash.get(LOCAL, {}).items()}
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        for u in uploads:
+            self.uploaded[(round, u.client_id)] = dict(u.get("gldp_prototypes") or {})
+            client = run.clients[u.client_id]
+            self.after[(round, u.client_id)] = {c: p.clone() for c, p in client.stash.get(LOCAL, {}).items()}
+
+
+def local_set_run(tmp_path, local_update, tasks):
+    from fedaval.config import RunConfig
+
+    probe = LocalSetProbe()
+    config = RunConfig(
+        plugins=["gldp"],
+        plugin_options={"gldp": {"t": 1, "s": 2, "local_update": local_update}},
+        dataset="digits",
+        rounds_per_task=2,
+        local_epochs=3,
+        device="cpu",
+        seed=0,
+        out=str(tmp_path / local_update),
+        scenario="sthfl",
+        scenario_options={"clients": 3, "classes_per_task": 3, "tasks": tasks, "imbalance": 2.0},
+    )
+    return run_training(config, extra_plugins=[probe]), probe
+
+
+def test_per_epoch_local_update_folds_each_epoch_in(tmp_path):
+    """Algorithm 1's line 15 in the epoch loop: with t = 1 base epoch and s = 2
+    head epochs the base (so C_i) moves in the first epoch only, and the three
+    epochs fold the same C_i in three times: C^ = beta^3 old + (1 - beta^3) C_i
+    for a class already in the set; per round it is folded in once."""
+    beta = 0.5
+    for mode, folds in (("epoch", 3), ("round", 1)):
+        _, probe = local_set_run(tmp_path, mode, tasks=1)
+        checked = 0
+        for key, after in probe.after.items():
+            before, uploaded = probe.before[key], probe.uploaded[key]
+            for c, p in uploaded.items():
+                if c in before:
+                    expected = beta**folds * before[c] + (1 - beta**folds) * p
+                    assert torch.allclose(after[c], expected, atol=1e-5), (mode, key, c)
+                    checked += 1
+        assert checked > 0
+
+
+def test_per_stage_local_update_leaves_l_lp_zero_in_a_one_stage_run(tmp_path):
+    """Eq. 9's stage index: the local set moves at the client's last round of a
+    stage only, so within a stage L_LP relates to earlier stages' prototypes and
+    in a run of one stage it is exactly 0 (the paper's "pre-stage and
+    post-stage" relation); per round it acts from a client's second round on."""
+    results, probe = local_set_run(tmp_path, "stage", tasks=1)
+    assert all(r["losses"]["loss/gldp_lp"] == 0.0 for r in results["rounds"])
+    assert all(bool(after) == (round == 2) for (round, _), after in probe.after.items())  # at the stage's end
+    assert all(not before for before in probe.before.values())  # not before it
+    per_round, _ = local_set_run(tmp_path, "round", tasks=1)
+    assert any(r["losses"]["loss/gldp_lp"] > 0 for r in per_round["rounds"])
+    two_stages, probe = local_set_run(tmp_path / "two", "stage", tasks=2)
+    assert any(r["losses"]["loss/gldp_lp"] > 0 for r in two_stages["rounds"] if r["task"] == 1)

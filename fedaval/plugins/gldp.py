@@ -23,6 +23,7 @@
   against the earlier stages' set) was set aside in issue 18: it leaves L_LP
   exactly 0 in every M = 1 run, which the paper's "pre-stage and post-stage"
   account of L_LP (Table 4) may well mean (docs/methods.md, GLDP item 3).
+  ``local_update=epoch`` and ``=stage`` run the other two readings.
 * Global prototype set (Eq. 11), on the server, every round (Algorithm 1,
   lines 5-6): ``C~^n <- beta C~^n + (1-beta) mean_{i in N_n} C_i^n``, N_n =
   the clients of the round that uploaded class n; a class new to the set is
@@ -98,6 +99,11 @@ class GLDPOptions:
     predict: Literal["global", "local"] = option(
         "global", "prototypes for evaluating the client models: global (GLDP-GP) or local (GLDP-LP)"
     )
+    local_update: Literal["round", "epoch", "stage"] = option(
+        "round",
+        "when the local set C^_i moves (Eq. 9): after each local round the client is sampled in; after each "
+        "local epoch (Algorithm 1, line 15); or once a stage, at the client's last round of it (Eq. 9's index m)",
+    )
 
 
 class GLDP(PersonalHead, Plugin):
@@ -166,19 +172,41 @@ class GLDP(PersonalHead, Plugin):
             "gldp_gp": zero if l_gp is None else (1 - lam) * l_gp,
         }
 
+    @hookimpl(specname="fedaval_client_epoch_start")
+    def update_local_set_per_epoch(self, run, client, epoch):
+        """``local_update=epoch``: Algorithm 1, line 15, inside the epoch
+        loop: the epoch just done moves the local set (the last epoch's move
+        is made at the upload)."""
+        if self.options.local_update == "epoch" and epoch > 0:
+            self.fold_into_local_set(run, client, self.current_prototypes(run, client))
+
     @hookimpl
     def fedaval_client_upload(self, run, client):
         """Algorithm 1, lines 14 and 18: this round's prototypes C_i (Eq. 6)
-        are uploaded; they are folded into the local set (Eq. 9) once a
-        round, not each epoch as line 15 has it (the module's reading)."""
-        client.stash.pop(PLAN, None)  # the local set changes now
+        are uploaded and, per ``local_update``, folded into the local set
+        (Eq. 9): every round (the default), after the last epoch (``epoch``),
+        or at the client's last round of the stage (``stage``)."""
+        prototypes = self.current_prototypes(run, client)
+        if prototypes is None:
+            client.stash.pop(PLAN, None)
+            return None
+        if self.options.local_update != "stage" or client.strategy.task_ends:
+            self.fold_into_local_set(run, client, prototypes)
+        return {ENTRY: prototypes} if prototypes else None
+
+    def current_prototypes(self, run, client) -> PrototypeSet | None:
+        """Eq. 6 with the client's base now: the mean base feature of each
+        class of its current-task data (``None`` without data for the task)."""
         exp = client.train_stream[client.task]
         if exp is None:
             return None
         features, labels = base_features(client.model, exp.dataset, run.device, run=run)
-        prototypes, _ = class_means(features, labels)
+        return class_means(features, labels)[0]
+
+    def fold_into_local_set(self, run, client, prototypes: PrototypeSet) -> None:
+        """Eq. 9 on the client's local set; the losses' plan is made again."""
+        client.stash.pop(PLAN, None)  # the local set changes now
         client.stash[LOCAL] = ema_update(client.stash.get(LOCAL, {}), prototypes, self.options.beta)
-        return {ENTRY: prototypes} if prototypes else None
 
     # --- server --------------------------------------------------------------
     @hookimpl
