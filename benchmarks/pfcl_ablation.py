@@ -54,6 +54,12 @@ def client_accuracy_at_task_ends(results) -> list[float]:
     ]
 
 
+def mean_teacher_entropy(rounds) -> float | None:
+    """Mean of ``pfcl/teacher_entropy`` over the rounds that report it (``None``: none does)."""
+    values = [r["losses"]["pfcl/teacher_entropy"] for r in rounds if "pfcl/teacher_entropy" in r["losses"]]
+    return sum(values) / len(values) if values else None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-per-class", type=int, default=200)
@@ -114,6 +120,7 @@ def main(argv=None) -> int:
                 "b_up": sum(r["bytes_up"] for r in rounds) / n,
                 "b_down": sum(r["bytes_down"] for r in rounds) / n,
                 "wall": wall,
+                "entropy": mean_teacher_entropy(rounds),
             }
         )
         print(
@@ -121,13 +128,15 @@ def main(argv=None) -> int:
         )
 
     header = (
-        "| method | average acc % | final acc % | acc at each task end % | bytes up/round | bytes down/round | wall s |"
+        "| method | average acc % | final acc % | acc at each task end % | teacher entropy | bytes up/round "
+        "| bytes down/round | wall s |"
     )
-    lines = [header, "|" + "---|" * 7]
+    lines = [header, "|" + "---|" * 8]
     for r in rows:
+        entropy = "" if r["entropy"] is None else f"{r['entropy']:.3f}"
         lines.append(
             f"| {r['method']} | {pct(r['average'])} | {pct(r['final'])} | {' / '.join(pct(a) for a in r['per_task'])} "
-            f"| {r['b_up']:,.0f} | {r['b_down']:,.0f} | {r['wall']:.0f} |"
+            f"| {entropy} | {r['b_up']:,.0f} | {r['b_down']:,.0f} | {r['wall']:.0f} |"
         )
     table = "\n".join(lines)
     print(table)
@@ -150,6 +159,8 @@ Setting: shared CIFAR-10 as ImageFolder, first {args.train_per_class} train / {a
 seed {args.seed}. PFCL defaults: alpha=1, beta=0.1, T=2 (the classifier's and the distillation's), memory 20 per class.
 Accuracy = mean over clients of each client's nearest-prototype accuracy on its seen classes (PFCL has no global
 model); "average" = mean over the task ends, "final" = after the last task. The FedAvg row is there for the bytes.
+"teacher entropy" = the mean over the rounds where L_D acts of `pfcl/teacher_entropy`, the teacher's soft labels'
+normalised entropy (1 = uniform: L_D passes nothing on; docs/methods.md).
 
 {table}
 
