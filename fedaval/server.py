@@ -63,9 +63,11 @@ class Server:
         current one from ``before_training_exp``; the global model is never
         trained by an Avalanche strategy, so the server announces it."""
         self.tasks_started.append(task)
-        if self.test_stream[task] is None:  # the stage brings no new class: nothing to track
-            return
-        self.strategy.experience = self.test_stream[task]
+        # A stage that brings no new class has no test experience, yet it is the current one now:
+        # the metrics are told its id all the same, or the previous stage's experience would stay
+        # "current" and its reference accuracy for forgetting be overwritten by later evaluations.
+        experience = self.test_stream[task] or StageWithoutTestData(task)
+        self.strategy.experience = experience
         self.strategy.evaluator.before_training_exp(self.strategy)
         self.strategy.experience = None
 
@@ -90,3 +92,15 @@ class Server:
     def evaluate(self) -> dict[str, Any]:
         exps = [self.test_stream[t] for t in self.tasks_started if self.test_stream[t] is not None]
         return self.strategy.eval(exps) if exps else {}
+
+
+class StageWithoutTestData:
+    """What the global evaluator is told is the current experience at a stage
+    that brings no class new to the federation (:meth:`Server.begin_task`):
+    its id, and itself as its logging view."""
+
+    def __init__(self, task: int):
+        self.current_experience = task
+
+    def logging(self) -> StageWithoutTestData:
+        return self

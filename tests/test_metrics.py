@@ -424,6 +424,9 @@ def test_forgetting_when_a_stage_brings_no_class_new_to_the_federation(tmp_path)
     assert results["final"]["forgetting"] == pytest.approx(forgetting(matrix))
     assert results["final"]["bwt"] == pytest.approx(backward_transfer(matrix))
     assert results["final"]["forgetting"] is not None
+    # Avalanche's figure: stage 3 is the current one although it has no experience, so stages 1 and
+    # 2 keep their stage-end reference and, evaluated once a stage, it is minus the BWT
+    assert results["final"]["avalanche_forgetting"] == pytest.approx(-results["final"]["bwt"])
 
 
 class ServerModel:
