@@ -54,10 +54,12 @@ class CorePlugin:
     @hookimpl(trylast=True)
     def fedaval_client_train(self, run, client, round):
         """The client's own first and last round of the task are those of the
-        stage's rounds it is sampled in."""
+        stage's rounds it is sampled in; a client that failed before training
+        in its first one (in its receive, say) begins the task in the next."""
         now = run.now
         rounds = [r for r in range(now.first_round, now.last_round + 1) if client.id in run.schedule[r - 1]]
-        return client.train_round(round, now.task, begins=round == rounds[0], ends=round == rounds[-1])
+        begins = round == rounds[0] or now.task not in client.tasks_started
+        return client.train_round(round, now.task, begins=begins, ends=round == rounds[-1])
 
     @hookimpl(trylast=True)
     def fedaval_client_criterion(self, run, client, logits, y):

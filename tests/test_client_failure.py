@@ -335,3 +335,44 @@ def test_settle_reads_every_client_together_and_fails_only_the_bad_ones():
     assert bad_upload.upload is None and bad_upload.losses == {}
     assert bad_float.failure == "FloatingPointError: loss/extra is nan"
     assert already.failure == "RuntimeError: earlier"
+
+
+class FailsToReceive:
+    """Client 1's receive fails in round 4, its first of stage 2 (3 rounds a
+    stage); records the task starts and client 1's test classes at the end."""
+
+    name = "fails-to-receive"
+
+    def __init__(self):
+        self.task_starts: list[tuple[int, int, int]] = []  # (round, client, task)
+        self.tested: set[int] = set()
+
+    @hookimpl
+    def fedaval_client_receive(self, run, client, download):
+        if client.id == 1 and run.round == 4:
+            raise RuntimeError("link dropped")
+
+    @hookimpl
+    def fedaval_client_task_start(self, run, client, task):
+        self.task_starts.append((run.round, client.id, task))
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        if round == run.total_rounds:
+            self.tested = {int(y) for e in run.clients[1].seen_test_experiences() for y in e.dataset.targets}
+        return {}
+
+
+def test_a_client_that_fails_before_its_first_round_of_a_stage_begins_the_stage_in_its_next(tiny_config):
+    """Its next round is then its first of the stage: the task-start hooks run,
+    and the stage's classes are among those it is tested on."""
+    from fedaval.api import run_training
+
+    probe = FailsToReceive()
+    results = run_training(
+        tiny_config(rounds_per_task=3, scenario_options={"clients": 2, "tasks": 2}), extra_plugins=[probe]
+    )
+    assert [f["client"] for f in results["rounds"][3]["failed_clients"]] == [1]
+    assert (4, 0, 1) in probe.task_starts and (5, 1, 1) in probe.task_starts
+    client_1 = results["scenario"]["client_task_classes"][1]
+    assert probe.tested == set(client_1[0]) | set(client_1[1])
