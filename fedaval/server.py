@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 class Server:
     """Holds the global model and what the next broadcast carries.
 
-    ``test_stream[t]`` holds the test samples of the classes the federation
-    first learns at stage ``t`` (``None`` when stage ``t`` brings none)."""
+    ``test_stream[t]`` holds the test samples of the classes stage ``t``'s
+    tasks bring to the federation for the first time, over all its clients
+    whether sampled or not (``None`` when stage ``t`` brings none): the global
+    model is tested on every class of the tasks so far, as the papers do."""
 
     def __init__(self, run: Run, model: nn.Module, task_classes: list[list[int]]):
         from fedaval.evaluation import PredictionRecorder, make_evaluator
