@@ -187,12 +187,11 @@ class GLDP(PersonalHead, Plugin):
         (Eq. 9): every round (the default), after the last epoch (``epoch``),
         or at the client's last round of the stage (``stage``)."""
         prototypes = self.current_prototypes(run, client)
-        if prototypes is None:
-            client.stash.pop(PLAN, None)
+        if not prototypes:
             return None
         if self.options.local_update != "stage" or client.strategy.task_ends:
             self.fold_into_local_set(run, client, prototypes)
-        return {ENTRY: prototypes} if prototypes else None
+        return {ENTRY: prototypes}
 
     def current_prototypes(self, run, client) -> PrototypeSet | None:
         """Eq. 6 with the client's base now: the mean base feature of each

@@ -73,7 +73,7 @@ RECEIVED = StashKey[dict]("pfcl.received")  # the global library last received
 MEMORY = StashKey[Any]("pfcl.memory")  # exemplars: indices into the run's training set
 TEACHER = StashKey[tuple]("pfcl.teacher")  # (frozen model, {class: its prototype})
 FRESH = StashKey[int]("pfcl.fresh")  # round whose prototypes are in LOCAL
-# sums of the teacher's normalised entropy and the minibatches it was taken on: this round, this task
+# [sum, count] of the teacher's normalised entropy over the round's minibatches
 TEACHER_ENTROPY = StashKey[list]("pfcl.teacher_entropy")
 
 # the teacher's soft labels are called near uniform above this mean normalised entropy
@@ -196,8 +196,8 @@ class PFCL(Plugin):
                 teacher_features = model.features(batch.x)
                 target = teacher_soft_labels(teacher_features, teacher_protos, self.options.temperature)
                 flatness = normalised_entropy(target)
-            sums = client.stash.setdefault(TEACHER_ENTROPY, lambda: [0.0, 0, 0.0, 0])
-            sums[:] = [sums[0] + flatness, sums[1] + 1, sums[2] + flatness, sums[3] + 1]  # no read: no GPU wait
+            sums = client.stash.setdefault(TEACHER_ENTROPY, lambda: [0.0, 0])
+            sums[:] = [sums[0] + flatness, sums[1] + 1]  # not read here: no wait for the GPU
             terms["pfcl_distillation"] = self.options.alpha * distillation_from(
                 target, batch.features, student_protos, self.options.temperature
             )
@@ -212,25 +212,19 @@ class PFCL(Plugin):
         (``pfcl/teacher_entropy``, 1 = uniform; only in rounds where L_D acts):
         how much L_D can pass on (:func:`~fedaval.plugins.pfcl_math.normalised_entropy`)."""
         losses = yield
-        sums = client.stash.get(TEACHER_ENTROPY)
-        if losses is not None and sums is not None and sums[1]:
+        sums = client.stash.pop(TEACHER_ENTROPY, None)
+        if losses is not None and sums is not None:
             losses = {**losses, "pfcl/teacher_entropy": sums[0] / sums[1]}
-        if sums is not None:
-            sums[:2] = [0.0, 0]
         return losses
 
     def warn_if_flat(self, run, client, task: int) -> None:
         """Once per run: a warning when the teacher's soft labels were near
-        uniform over a task (L_D then does almost nothing). One read of the
-        task's sums, at its end."""
+        uniform in a task's last round (L_D then does almost nothing). One read
+        of the round's sum, at the task's end."""
         sums = client.stash.get(TEACHER_ENTROPY)
-        if sums is None or not sums[3]:
+        if sums is None or run in FLAT_SAID:
             return
-        task_sum, task_count = sums[2:]
-        sums[2:] = [0.0, 0]  # the task's last round is reported after this (fedaval_client_train)
-        if run in FLAT_SAID:
-            return
-        flatness = float(task_sum / task_count)
+        flatness = float(sums[0] / sums[1])
         if flatness >= FLAT:
             import logging
 
