@@ -101,16 +101,25 @@ class Client:
         """Replace the heavy parts by their pickle, kept in memory with their
         tensors' storages (by reference, not copied), or written whole to
         ``folder/client-NNNNNN.state`` when ``folder`` is given. Returns the
-        bytes stored (pickle and storages)."""
+        bytes stored (pickle and storages).
+
+        What the parts share with the run (its data, plugin objects) and the
+        plugins' ``nn.Module`` attributes (HGP's frozen backbone, shared by
+        every client's model) are written as references, not copied, so the
+        loaded client shares them again. The modules are held as they were
+        at the offload: a plugin that replaces its module later leaves the
+        offloaded client the one it had, as a live client keeps it."""
         from fedaval import state
 
         if self.offloaded:
             return 0
         heavy = {k: self.__dict__[k] for k in self.HEAVY}
         keep = state.KeptStorages() if folder is None else None
-        blob = state.dumps(self.run, heavy, extra={"client": self}, keep=keep)
+        modules = state.plugin_modules(self.run)
+        blob = state.dumps(self.run, heavy, extra={"client": self, **modules}, keep=keep)
         for key in self.HEAVY:
             del self.__dict__[key]
+        self._offload_refs = modules  # the plugins' modules it shares, as they are now (they may be replaced)
         if keep is not None:
             self._offloaded = (blob, keep)
         else:
@@ -133,7 +142,8 @@ class Client:
             blob, keep = where
         else:
             blob = where.read_bytes() if isinstance(where, Path) else where
-        self.__dict__.update(state.loads(self.run, blob, extra={"client": self}, keep=keep))
+        modules = self.__dict__.pop("_offload_refs", None) or {}  # none in checkpoints before session 34
+        self.__dict__.update(state.loads(self.run, blob, extra={"client": self, **modules}, keep=keep))
 
     @property
     def stored_nbytes(self) -> int:

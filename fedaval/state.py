@@ -58,6 +58,34 @@ def shared_objects(run: Run, extra: dict[str, Any] | None = None) -> dict[str, A
     return shared
 
 
+def plugin_objects(run: Run) -> Iterator[tuple[str, Any]]:
+    """``(name, object)`` of every plugin object with attributes (modules have none)."""
+    from types import ModuleType
+
+    for name, plugin in run.plugins.objects.items():
+        if not isinstance(plugin, ModuleType) and hasattr(plugin, "__dict__"):
+            yield name, plugin
+
+
+def plugin_modules(run: Run) -> dict[str, Any]:
+    """Each plugin object's ``nn.Module`` attributes (HGP's frozen backbone),
+    named ``plugin.<name>.<attribute>``, and their parameters and buffers
+    (``...<attribute>/<parameter>``: an optimizer built over a model holds a
+    frozen part's parameters too): what a client's state refers to instead of
+    copying (an offloaded client, a Ray transfer)."""
+    from torch import nn
+
+    named: dict[str, Any] = {}
+    for name, plugin in plugin_objects(run):
+        for attr, value in vars(plugin).items():
+            if isinstance(value, nn.Module):
+                prefix = f"plugin.{name}.{attr}"
+                named[prefix] = value
+                named.update((f"{prefix}/{key}", tensor) for key, tensor in value.named_parameters())
+                named.update((f"{prefix}/{key}", tensor) for key, tensor in value.named_buffers())
+    return named
+
+
 class KeptStorages:
     """The tensor storages an in-memory pickle refers to instead of holding
     their bytes (:func:`dumps` with ``keep``): the storages themselves, so

@@ -302,3 +302,27 @@ def test_the_feature_cache_keeps_fp32_features_whatever_autocast_is_on():
     assert under_bf16.dtype == torch.float32 and torch.equal(under_bf16, exact)
     again = cache(x)  # served from the cache, in fp32
     assert cache.hits == 5 and again.dtype == torch.float32 and torch.equal(again, exact)
+
+
+@pytest.mark.parametrize("where", ["cpu", "disk"])
+def test_offloaded_clients_share_the_frozen_backbone_when_they_come_back(tiny_config, tmp_path, where):
+    """An offloaded client refers to the plugin's frozen backbone by name: it
+    comes back sharing the one module, and its pickle holds no copy of it."""
+    config = tiny_config(
+        plugins=["hgp"],
+        plugin_options={"hgp": {**TINY, "vit_dim": 64, "vit_depth": 4, "vit_mlp_dim": 256}},  # the backbone dominates
+        scenario_options={"clients": 4, "tasks": 2},
+        clients_per_round=1,
+        offload_clients=where,
+        out=str(tmp_path / "run"),
+    )
+    with pytest.warns(UserWarning, match="randomly initialised"):
+        run = build_run(config, out_dir=tmp_path / "run")
+    backbone = run.plugins.objects["hgp"]._backbone
+    backbone_bytes = sum(t.numel() * t.element_size() for t in backbone.state_dict().values())
+    client = run.clients[0]
+    assert client.offloaded and client.stored_nbytes < backbone_bytes  # model, strategy and all, without it
+    assert client.model.features.vit is backbone
+    run.server.begin_task(0)
+    play(run, [1])
+    assert all(c.model.features.vit is backbone for c in run.clients)

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Callable, Iterator
-from types import ModuleType
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fedaval import state
@@ -30,28 +29,13 @@ from fedaval import state
 if TYPE_CHECKING:
     from fedaval.run import Run
 
-__all__ = ["dumps", "loads", "plugin_objects"]
-
-
-def plugin_objects(run: Run) -> Iterator[tuple[str, Any]]:
-    """``(name, object)`` of every plugin object with attributes (modules have none)."""
-    for name, plugin in run.plugins.objects.items():
-        if not isinstance(plugin, ModuleType) and hasattr(plugin, "__dict__"):
-            yield name, plugin
+__all__ = ["dumps", "loads", "shared_names"]
 
 
 def shared_names(run: Run, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """:func:`fedaval.state.shared_objects`, each plugin's ``nn.Module``
-    attributes, and ``extra``."""
-    from torch import nn
-
-    modules = {
-        f"plugin.{name}.{attr}": value
-        for name, plugin in plugin_objects(run)
-        for attr, value in vars(plugin).items()
-        if isinstance(value, nn.Module)
-    }
-    return state.shared_objects(run, {**modules, **(extra or {})})
+    attributes (:func:`fedaval.state.plugin_modules`), and ``extra``."""
+    return state.shared_objects(run, {**state.plugin_modules(run), **(extra or {})})
 
 
 class _RelocatingPickler(state.RunPickler):

@@ -22,6 +22,7 @@ from typing import Any
 
 from avalanche.logging import BaseLogger
 
+from fedaval import state
 from fedaval.backends import transfer
 from fedaval.backends.local import ClientRound, client_round
 
@@ -61,7 +62,7 @@ def watch_plugins(run) -> dict[tuple[str, str], Any]:
     each attribute's value, with the identities of a container's items, to
     see one grow or change."""
     seen: dict[tuple[str, str], Any] = {}
-    for name, plugin in transfer.plugin_objects(run):
+    for name, plugin in state.plugin_objects(run):
         for attr, value in vars(plugin).items():
             if isinstance(value, dict):
                 seen[(name, attr)] = (value, {k: id(v) for k, v in value.items()})
