@@ -236,3 +236,19 @@ def test_impossible_settings_are_one_line_errors(call, message):
         call(balanced_targets(10, 20))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_sthfl_warns_when_equal_totals_move_the_setting_off_the_requested_imbalance(caplog):
+    """Digits-sized classes, the default ``[10,2,3]`` at IF 10: some seeds'
+    equal totals leave much of the long tail unused or the effective IF far
+    from 10; those, and only those, say so."""
+    warned = []
+    for seed in range(12):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fedaval"):
+            part = P.sthfl(balanced_targets(10, 180), 10, 10, 2, 3, 10.0, np.random.default_rng(seed))
+        off = part.summary["data_fraction_used"] < 0.9 or abs(part.summary["effective_imbalance"] - 10) > 1
+        said = [r.getMessage() for r in caplog.records if "effective imbalance factor" in r.getMessage()]
+        assert bool(said) == off, (seed, part.summary, said)
+        warned.append(off)
+    assert any(warned) and not all(warned)

@@ -9,6 +9,7 @@ training starts.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -278,7 +279,10 @@ def sthfl(
     ``summary`` reports ``samples_per_client`` (Q), ``data_fraction_used``
     (samples used / samples of the long-tailed set) and
     ``effective_imbalance`` (largest / smallest number of samples used of a
-    class, over the classes used).
+    class, over the classes used). When the equal totals leave more than
+    ``FAR_OFF`` of the long-tailed set unused, or the effective IF is off the
+    requested one by more than ``FAR_OFF`` of it, the run says so in a
+    warning: the setting is then not quite the IF asked for.
     """
     _check_clients(num_clients)
     _require(
@@ -343,7 +347,23 @@ def sthfl(
         "data_fraction_used": float(taken.sum() / sum(len(k) for k in kept)),
         "effective_imbalance": float(used.max() / used.min()),
     }
+    if (
+        summary["data_fraction_used"] < 1 - FAR_OFF
+        or abs(summary["effective_imbalance"] - imbalance) > FAR_OFF * imbalance
+    ):
+        logging.getLogger("fedaval").warning(
+            "sthfl: equal client totals use %.1f%% of the long-tailed set and give an effective imbalance factor of "
+            "%.2f against the %g asked for (another seed, fewer clients or a lower imbalance come nearer)",
+            100 * summary["data_fraction_used"],
+            summary["effective_imbalance"],
+            imbalance,
+        )
     return Partition(clients, summary)
+
+
+#: ``sthfl`` warns when it uses less than 1 - FAR_OFF of the long-tailed set or
+#: its effective imbalance factor is off the requested one by more than this share.
+FAR_OFF = 0.1
 
 
 def task_splits(order: np.ndarray, num_tasks: int) -> list[list[int]]:
