@@ -201,10 +201,18 @@ def test_fcil_async_paper_setting_too_big_for_the_dataset():
         P.fcil_async(balanced_targets(100, 2), 100, 3, 5, 0.2, np.random.default_rng(0), classes_per_client=50)
 
 
-def test_fcl_random_lengths_and_sharing():
+@pytest.mark.parametrize("tasks", P.FCL_RANDOM_TASKS)
+def test_fcl_random_lengths_and_sharing(tasks):
     targets = balanced_targets(10, 30)
     part = P.fcl_random(
-        targets, 10, num_clients=6, classes_per_task=2, min_tasks=1, max_tasks=4, rng=np.random.default_rng(2)
+        targets,
+        10,
+        num_clients=6,
+        classes_per_task=2,
+        min_tasks=1,
+        max_tasks=4,
+        rng=np.random.default_rng(2),
+        tasks=tasks,
     )
     assert_disjoint(part)
     lengths = [c.num_tasks for c in part.clients]
@@ -218,6 +226,23 @@ def test_fcl_random_lengths_and_sharing():
     used = part.all_indices()
     held = np.isin(targets, list(held_by))
     assert len(used) == int(held.sum())  # every sample of a held class is used once
+
+
+def test_fcl_random_shared_tasks_are_fixed_units_dealt_to_the_clients():
+    """PFCL, Section 5.2: the dataset is cut into tasks, and each client gets
+    a random sequence of them; 11 classes at 3 a task make 3 tasks, one class
+    unused."""
+    targets = balanced_targets(11, 12)
+    part = P.fcl_random(targets, 11, 8, 3, 2, 3, np.random.default_rng(0), tasks="shared")
+    units = {frozenset(task) for client in part.clients for task in client.classes}
+    assert len(units) == 3 and all(len(u) == 3 for u in units)
+    assert len(set().union(*units)) == 9  # the units are disjoint
+    for client in part.clients:
+        assert len({frozenset(t) for t in client.classes}) == client.num_tasks  # no task twice
+    orders = {tuple(frozenset(t) for t in client.classes) for client in part.clients}
+    assert len(orders) > 1  # clients hold them in different orders
+    own = P.fcl_random(targets, 11, 8, 3, 2, 3, np.random.default_rng(0), tasks="own")
+    assert len({frozenset(task) for client in own.clients for task in client.classes}) > 3
 
 
 @pytest.mark.parametrize(

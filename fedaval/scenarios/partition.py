@@ -500,6 +500,10 @@ def fcil_async(
     return Partition(clients)
 
 
+#: ``fcl-random``'s ``tasks``: fixed tasks dealt to the clients (the paper's) or each client's own.
+FCL_RANDOM_TASKS = ("shared", "own")
+
+
 def fcl_random(
     targets: np.ndarray,
     num_classes: int,
@@ -508,12 +512,24 @@ def fcl_random(
     min_tasks: int,
     max_tasks: int,
     rng: np.random.Generator,
+    tasks: str = "shared",
 ) -> Partition:
     """PFCL's setting: every client draws its own number of tasks L_k in
-    [min_tasks, max_tasks] and a random sequence of L_k * S distinct classes,
-    cut into tasks of S classes. Clients may share classes; the samples of a
-    class are split evenly, without overlap, over the clients that hold it, so
-    no sample is on two clients and every sample of a held class is used."""
+    [min_tasks, max_tasks] and a random sequence of L_k tasks of S classes.
+
+    ``tasks="shared"`` (the paper's, Section 5.2: "本文将每个数据集分为若干个
+    持续学习任务 ... 各客户端会随机获得一个包含若干任务的序列", the dataset is
+    cut into continual-learning tasks and each client gets a random sequence
+    of them): a seeded random class order is cut into C // S fixed tasks (the
+    C mod S classes left over are not used), and each client's sequence is
+    L_k distinct ones of them in a random order; two clients that hold a task
+    hold all its classes. ``tasks="own"`` (fedaval's reading until session
+    34): each client cuts its own random L_k * S distinct classes into tasks,
+    so clients share classes but rarely a whole task.
+
+    Either way, the samples of a class are split evenly, without overlap, over
+    the clients that hold it, so no sample is on two clients and every sample
+    of a held class is used."""
     _check_clients(num_clients)
     _require(classes_per_task >= 1, f"bad classes per task {classes_per_task}; must be >= 1")
     _require(1 <= min_tasks <= max_tasks, f"bad task range {min_tasks}..{max_tasks}; need 1 <= min_tasks <= max_tasks")
@@ -522,11 +538,19 @@ def fcl_random(
         f"bad scenario: {max_tasks} tasks x {classes_per_task} classes per task needs "
         f"{classes_per_task * max_tasks} classes; the dataset has {num_classes}",
     )
+    _require(tasks in FCL_RANDOM_TASKS, f"bad tasks {tasks!r}; allowed: {', '.join(FCL_RANDOM_TASKS)}")
     by_class = _indices_by_class(targets, num_classes, rng)
     sequences = []
-    for _ in range(num_clients):
-        length = int(rng.integers(min_tasks, max_tasks + 1))
-        sequences.append(rng.choice(num_classes, size=length * classes_per_task, replace=False))
+    if tasks == "shared":
+        order = class_order(num_classes, rng)
+        units = order[: num_classes // classes_per_task * classes_per_task].reshape(-1, classes_per_task)
+        for _ in range(num_clients):
+            length = int(rng.integers(min_tasks, max_tasks + 1))
+            sequences.append(units[rng.choice(len(units), size=length, replace=False)].reshape(-1))
+    else:
+        for _ in range(num_clients):
+            length = int(rng.integers(min_tasks, max_tasks + 1))
+            sequences.append(rng.choice(num_classes, size=length * classes_per_task, replace=False))
     holders: dict[int, list[int]] = {c: [] for c in range(num_classes)}
     for k, seq in enumerate(sequences):
         for c in seq:

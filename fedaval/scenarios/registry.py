@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -61,6 +61,11 @@ class FclRandomOptions:
     classes_per_task: int = option(2, "classes per task", _at_least_one)
     min_tasks: int = option(2, "shortest client task sequence", _at_least_one)
     max_tasks: int = option(4, "longest client task sequence", _at_least_one)
+    tasks: Literal["shared", "own"] = option(
+        "shared",
+        "shared: the dataset cut into fixed tasks, each client a random sequence of them (PFCL's); "
+        "own: each client its own random class groups (fedaval's reading until session 34)",
+    )
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,7 @@ SCENARIOS: dict[str, ScenarioSpec] = {
             "random per-client task sequences of different lengths, clients may share classes",
             FclRandomOptions,
             lambda o, y, c, rng: partition.fcl_random(
-                y, c, o.clients, o.classes_per_task, o.min_tasks, o.max_tasks, rng
+                y, c, o.clients, o.classes_per_task, o.min_tasks, o.max_tasks, rng, o.tasks
             ),
             "PFCL",
         ),
