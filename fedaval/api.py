@@ -255,4 +255,9 @@ def format_summary(results: dict[str, Any], out_dir: Path) -> str:
         f"   failed clients: {final.get('failed_clients', 0)}",
         f"run folder: {out_dir}  (tensorboard --logdir {out_dir / 'tb'})",
     ]
+    for name, block in (results.get("privacy") or {}).items():  # a defence that accounts a guarantee
+        if isinstance(block, dict) and "epsilon" in block:
+            eps = block["epsilon"]
+            said = "none (no noise)" if eps is None else f"epsilon {eps:.4g} at delta {block.get('delta')}"
+            lines.insert(-1, f"privacy ({name}): {said}")
     return "\n".join(lines)

@@ -63,6 +63,17 @@ def fedaval_setup(run: Run) -> None:
     ``run.num_classes`` here and prepare their state. Return value ignored."""
 
 
+@hookspec
+def fedaval_server_reads_client_data(run: Run) -> str | None:
+    """What this plugin's server side reads of the clients' data outside
+    their uploads, in words that name the option turning it off (a
+    simulation shortcut: HGP's statistics exchange computes every client's
+    class statistics on the server); ``None`` when nothing. Asked once, at
+    set-up, by plugins that protect the uploads: ``dp`` refuses to run when
+    any plugin answers, since its noise cannot reach that data. Every plugin
+    is called; the answers are collected."""
+
+
 @hookspec(firstresult=True)
 def fedaval_make_model(run: Run, client_id: int | None) -> nn.Module | None:
     """Build the model of client ``client_id`` (``None``: the server's global

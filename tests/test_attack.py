@@ -49,6 +49,39 @@ def test_attacking_during_training_changes_no_training_result(tiny_config, tmp_p
     assert events and max(e.stat().st_size for e in events) > 0
 
 
+def test_prototypes_are_inverted_through_the_weights_the_client_uploaded(tiny_config, tmp_path, monkeypatch):
+    """FedProK's first task takes prototypes under the trained weights it
+    uploads: the attacker, who has them, inverts through those."""
+    import torch
+
+    from fedaval import attack_math, hookimpl
+
+    class Uploads:
+        weights: dict = {}
+
+        @hookimpl(tryfirst=True)
+        def fedaval_server_fuse(self, run, uploads, round):
+            self.weights[round] = {u.client_id: u.get("weights") for u in uploads}
+
+    used = []
+
+    def recorded(features, prototype, shape, *args, **kwargs):
+        used.append({k: v.clone() for k, v in features.state_dict().items()})
+        return torch.zeros((1, *shape))
+
+    monkeypatch.setattr(attack_math, "invert_prototype", recorded)
+    uploads = Uploads()
+    results = run_training(
+        tiny_config(plugins=["fedprok", ATTACK], plugin_options={"attack": FAST}, out=tmp_path / "run"),
+        extra_plugins=[uploads],
+    )
+    attack = next(a for a in results["privacy"]["attack"]["attacks"] if a["kind"] == "prototypes")
+    assert attack["round"] == 2 and used  # round 2 is in the first task
+    sent = uploads.weights[2][attack["client"]]
+    features = {k.removeprefix("features."): v for k, v in sent.items() if k.startswith("features.")}
+    assert features and all(torch.equal(used[0][k], v) for k, v in features.items())
+
+
 def test_dp_and_attack_compose_and_dp_noise_is_seen_by_the_attacker(tiny_config, tmp_path):
     results = run_training(
         tiny_config(

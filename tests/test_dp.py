@@ -4,13 +4,14 @@ errors for impossible options."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
 from fedaval import hookimpl
-from fedaval.api import run_training
+from fedaval.api import format_summary, run_training
 from fedaval.errors import FedavalUsageError
 from fedaval.options import build_options
 from fedaval.plugins.dp import DPOptions, privatise
@@ -72,7 +73,7 @@ def test_epsilon_matches_the_hand_computed_rdp_bound():
     # q = 1, z = 1, 10 rounds: 5 a - ...; minimum at a = 2.5 -> 19.0536
     assert epsilon([(1.0, 1.0, 10)], 1e-5) == pytest.approx(19.0536, abs=1e-4)
     assert epsilon([(0.0, 1.0, 1)], 1e-5) == math.inf
-    assert sample_rate(0, 10) == 1.0 and sample_rate(3, 10) == 0.3
+    assert sample_rate(0, 10) == 1.0 and sample_rate(3, 10) == 0.3 and sample_rate(3, 2) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -123,7 +124,11 @@ def test_a_fedprok_run_clips_uploads_adds_noise_and_accounts_epsilon(tiny_config
     )
     assert max(norms.norms) <= clip * (1 + 1e-5)  # weights update and prototypes clipped together
     assert norms.with_prototypes == len(norms.norms) == 8
-    assert clipped["privacy"]["dp"]["epsilon"] == math.inf  # no noise: no guarantee
+    privacy = clipped["privacy"]["dp"]
+    assert privacy["epsilon"] is None and privacy["guarantee"] is False  # no noise: no guarantee
+    strict = json.loads((tmp_path / "a" / "results.json").read_text(), parse_constant=pytest.fail)  # no Infinity
+    assert "privacy (dp): none (no noise)" in format_summary(clipped, tmp_path / "a")
+    assert strict["privacy"]["dp"]["epsilon_by_round"] == [None] * 4
     noisy = run_training(
         tiny_config(plugins=["fedprok", DP], plugin_options={"dp": {"clip": clip, "noise": 1.0}}, out=tmp_path / "b")
     )
@@ -137,3 +142,43 @@ def test_a_fedprok_run_clips_uploads_adds_noise_and_accounts_epsilon(tiny_config
     assert len(eps) == 4 and all(a < b for a, b in zip(eps, eps[1:]))  # grows with rounds
     assert eps[-1] == pytest.approx(epsilon([(1.0, 1.0, 4)], 1e-5))
     assert [r["plugin_metrics"]["dp"]["epsilon"] for r in noisy["rounds"]] == eps
+    assert f"privacy (dp): epsilon {eps[-1]:.4g} at delta 1e-05" in format_summary(noisy, tmp_path / "b")
+
+
+def test_the_sample_rate_is_the_rounds_scheduled_clients_over_the_stages_eligible_ones(tiny_config, tmp_path):
+    """fcl-random: a stage that only some clients' sequences reach samples its
+    few eligible clients at a higher rate, and the accountant is told so."""
+    results = run_training(
+        tiny_config(
+            plugins=["fedavg", DP],
+            scenario="fcl-random",
+            scenario_options={"clients": 5, "min_tasks": 1, "max_tasks": 3},
+            clients_per_round=2,
+            rounds_per_task=1,
+            out=tmp_path / "run",
+        )
+    )
+    tasks = [len(classes) for classes in results["scenario"]["client_task_classes"]]
+    rates = [min(2, e) / e for e in (sum(n > t for n in tasks) for t in range(max(tasks)))]
+    assert rates != [rates[0]] * len(rates)  # the seed gives stages of different sizes
+    history = [(1.0, q, 1) for q in rates]
+    assert [tuple(h) for h in results["privacy"]["dp"]["accountant_history"]] == history
+    assert results["privacy"]["dp"]["epsilon"] == pytest.approx(epsilon(history, 1e-5))
+    assert results["privacy"]["dp"]["epsilon"] > epsilon([(1.0, 2 / 5, len(rates))], 1e-5)  # the old q = 2 / 5
+
+
+def test_dp_refuses_a_plugin_whose_server_reads_client_data_outside_the_uploads(tiny_config):
+    from fedaval.build import build_run
+
+    tiny = {"vit_patch": 4, "vit_dim": 32, "vit_depth": 2, "vit_heads": 2, "vit_mlp_dim": 64}
+    with pytest.raises(FedavalUsageError, match=r"cannot protect .* hgp.stats_exchange=true"):
+        build_run(tiny_config(plugins=["hgp", DP], plugin_options={"hgp": tiny}))
+    with pytest.warns(UserWarning, match="randomly initialised"):
+        build_run(tiny_config(plugins=["hgp", DP], plugin_options={"hgp": {**tiny, "stats_exchange": "false"}}))
+
+
+def test_python_floats_in_an_upload_are_noised_and_booleans_kept():
+    torch.manual_seed(0)
+    [out] = privatise([{"glfc_signal": {"entropy": 2.294, "new_task": True}}], {}, DPOptions(clip=10.0), set())
+    assert isinstance(out["glfc_signal"]["entropy"], float) and out["glfc_signal"]["entropy"] != 2.294
+    assert out["glfc_signal"]["new_task"] is True

@@ -42,6 +42,10 @@ class Recorder:
         self._add("setup")
 
     @hookimpl
+    def fedaval_server_reads_client_data(self, run):
+        return None  # asked by plugins that protect uploads (dp), not by the core
+
+    @hookimpl
     def fedaval_make_model(self, run, client_id):
         self._add(f"make_model({client_id})")
 

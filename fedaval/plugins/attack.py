@@ -29,11 +29,15 @@ results.json rounds are the same with and without it).
 Readings chosen:
 
 * *The feature extractor a prototype is inverted through*: the global model
-  with the weights the server sent this round when the method shares
-  weights (FedProK computes its prototypes with them, reading 2 of
-  :mod:`fedaval.plugins.fedprok`); otherwise (PFCL: no weight leaves a
-  client) the client's own model after the round - a white-box attacker, so
-  the reported P is a lower bound on that method's privacy.
+  with the weights the server sent this round, overlaid with the weights
+  the client uploaded, when the method shares weights: everything the server
+  knows of the client's model. FedProK's first task and GLDP take their
+  prototypes under the trained weights they upload (until session 34 the
+  attack used the sent weights alone, a model the prototypes did not come
+  from, and overstated those methods' privacy); FedProK's later tasks under
+  the frozen extractor, which both carry. Otherwise (PFCL: no weight leaves
+  a client) the client's own model after the round - a white-box attacker,
+  so the reported P is a lower bound on that method's privacy.
 * *Single-channel images* (digits): breaching's total-variation prior only
   takes three channels, so it is off for them.
 """
@@ -201,8 +205,11 @@ def attack_upload(run, upload, received: dict, round: int, options: AttackOption
     model = run.server.model
     for key, protos in prototype_entries(upload, model.feature_dim).items():
         if received:
+            # the model the client's prototypes came from, as far as the server knows it: the weights it
+            # sent, overlaid with the ones uploaded (FedProK's first task and GLDP take prototypes under
+            # the trained weights they upload)
             extractor = copy.deepcopy(model)
-            extractor.load_state_dict({**extractor.state_dict(), **received})
+            extractor.load_state_dict({**extractor.state_dict(), **received, **(weights or {})})
         else:
             extractor = run.clients[upload.client_id].model  # white box (module docstring)
         classes = [c for c in frequent_labels(true_labels, len(protos)) if c in protos][: options.images]

@@ -8,10 +8,15 @@ its upload (prototypes, class statistics) is clipped to L2 norm ``clip``
 and every coordinate gets Gaussian noise of standard deviation
 ``noise * clip``. The server then fuses as usual (``received + noisy
 update`` for the weights). The privacy spent is accounted each round with
-Opacus's RDP accountant at sampling rate ``q = clients_per_round /
-clients`` and reported as epsilon at ``delta``: the round metric
-``dp.epsilon`` and results.json's ``privacy.dp`` block (one epsilon per
-round).
+Opacus's RDP accountant at the round's sampling rate ``q`` = clients
+scheduled / clients eligible in the stage (those with data for it: in
+``fcl-random`` and with ``--clients-per-round``, a stage some clients sit
+out samples its few eligible ones at a higher rate), and reported as epsilon
+at ``delta``: the round metric ``dp.epsilon`` and results.json's
+``privacy.dp`` block (one epsilon per round; ``null`` without noise, where
+there is no guarantee). A plugin whose server reads clients' data outside
+the uploads (``fedaval_server_reads_client_data``: HGP's statistics
+exchange) is refused, since the noise cannot reach that data.
 
 Readings chosen (the issue leaves them open):
 
@@ -29,7 +34,10 @@ Readings chosen (the issue leaves them open):
 3. *One joint vector*: weights update and prototypes share one clip norm
    (so the mechanism's sensitivity is ``clip`` whatever the method uploads).
 4. *What is not protected*: integer payloads (FedProK's per-class sample
-   counts, ``num_samples``) pass unchanged; BatchNorm running statistics
+   counts, ``num_samples``, FedNova's step counts, the keys of a
+   prototype upload, which say what classes a client holds) and booleans
+   pass unchanged (Python floats, GLFC's entropy signal, are noised as
+   floating-point payloads); BatchNorm running statistics
    (floating buffers, not parameters) are sent unchanged by default
    (``dp.buffers=keep``; noise would make running variances negative) or
    withheld (``dp.buffers=drop``: the global model keeps its own). Neither is
@@ -90,6 +98,11 @@ class DP(Plugin):
             import opacus.accountants  # noqa: F401
         except ImportError as exc:
             raise FedavalUsageError(f"--plugins dp needs opacus (pip install 'fedaval[privacy]'): {exc}") from None
+        outside = [answer for answer in run.hook.fedaval_server_reads_client_data(run=run) if answer]
+        if outside:
+            raise FedavalUsageError(
+                f"--plugins dp cannot protect what the server reads outside the uploads: {'; '.join(outside)}"
+            )
 
     # --- client -------------------------------------------------------------
     @hookimpl
@@ -109,7 +122,8 @@ class DP(Plugin):
     def fedaval_server_fuse(self, run, uploads, round):
         from fedaval.plugins.dp_math import epsilon, sample_rate
 
-        q = sample_rate(run.config.clients_per_round, len(run.clients))
+        eligible = sum(1 for client in run.clients if client.has_task(run.now.task))
+        q = sample_rate(len(run.schedule[round - 1]), eligible)
         z = self.options.noise
         if self.history and self.history[-1][0] == z and self.history[-1][1] == q:
             self.history[-1][2] += 1
@@ -120,7 +134,7 @@ class DP(Plugin):
 
     @hookimpl
     def fedaval_round_metrics(self, run, round):
-        return {"epsilon": self.epsilons[-1] if self.epsilons else 0.0}
+        return {"epsilon": finite_or_none(self.epsilons[-1]) if self.epsilons else 0.0}
 
     def privacy_results(self, run) -> dict[str, Any]:
         """results.json's ``privacy.dp`` block (:func:`fedaval.privacy.privacy_results`)."""
@@ -131,9 +145,17 @@ class DP(Plugin):
             "buffers": self.options.buffers,
             "accountant": "opacus.accountants.RDPAccountant",
             "sample_rate": self.history[-1][1] if self.history else None,
-            "epsilon": self.epsilons[-1] if self.epsilons else 0.0,
-            "epsilon_by_round": list(self.epsilons),
+            "accountant_history": [list(h) for h in self.history],
+            "epsilon": finite_or_none(self.epsilons[-1]) if self.epsilons else 0.0,
+            "epsilon_by_round": [finite_or_none(e) for e in self.epsilons],
+            "guarantee": self.options.noise > 0,
         }
+
+
+def finite_or_none(value: float) -> float | None:
+    """``value``, or ``None`` for an infinite epsilon (no noise, no
+    guarantee): strict JSON has no infinity."""
+    return None if value == float("inf") else value
 
 
 def buffer_keys(model, shared: dict) -> set[str]:

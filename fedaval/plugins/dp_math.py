@@ -23,10 +23,13 @@ import torch
 
 def float_tensors(payload: Any) -> Iterator[torch.Tensor]:
     """Every floating-point tensor in ``payload`` (nested dicts, lists,
-    tuples), in a fixed order (dict insertion order, list order)."""
+    tuples), in a fixed order (dict insertion order, list order); a Python
+    ``float`` is one too (a float64 scalar tensor)."""
     if isinstance(payload, torch.Tensor):
         if payload.is_floating_point():
             yield payload
+    elif isinstance(payload, float):
+        yield torch.tensor(payload, dtype=torch.float64)
     elif isinstance(payload, dict):
         for value in payload.values():
             yield from float_tensors(value)
@@ -38,9 +41,11 @@ def float_tensors(payload: Any) -> Iterator[torch.Tensor]:
 def replace_float_tensors(payload: Any, new: Iterator[torch.Tensor]) -> Any:
     """A copy of ``payload`` with its floating-point tensors replaced, in
     :func:`float_tensors` order, by the tensors ``new`` yields; everything
-    else (integers, integer tensors, numbers) is kept."""
+    else (integers, booleans, integer tensors) is kept."""
     if isinstance(payload, torch.Tensor):
         return next(new) if payload.is_floating_point() else payload
+    if isinstance(payload, float):
+        return float(next(new))
     if isinstance(payload, dict):
         return {key: replace_float_tensors(value, new) for key, value in payload.items()}
     if isinstance(payload, (list, tuple)):
@@ -81,13 +86,13 @@ def clip_and_noise(
     return out, norm
 
 
-def sample_rate(clients_per_round: int, num_clients: int) -> float:
-    """The accountant's ``q``: the fraction of clients sampled in a round
-    (``clients_per_round`` 0 means all of them)."""
-    if num_clients <= 0:
+def sample_rate(sampled: int, eligible: int) -> float:
+    """The accountant's ``q`` for a round: the fraction of the clients that
+    could be sampled (``eligible``) that were (``sampled``; 0 means all)."""
+    if eligible <= 0:
         return 1.0
-    per_round = clients_per_round if 0 < clients_per_round < num_clients else num_clients
-    return per_round / num_clients
+    per_round = sampled if 0 < sampled < eligible else eligible
+    return per_round / eligible
 
 
 def epsilon(history: list[tuple[float, float, int]], delta: float) -> float:

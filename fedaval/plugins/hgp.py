@@ -216,6 +216,15 @@ class HGP(Plugin):
         return self._backbone
 
     @hookimpl
+    def fedaval_server_reads_client_data(self, run):
+        if self.options.stats_exchange:
+            return (
+                "hgp.stats_exchange=true computes every client's class statistics from its training data on "
+                "the server at each task end (-o hgp.stats_exchange=false turns it off)"
+            )
+        return None
+
+    @hookimpl
     def fedaval_make_model(self, run, client_id):
         from fedaval.models import SplitModel
         from fedaval.plugins import hgp_backbones as hb
