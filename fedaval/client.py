@@ -51,7 +51,7 @@ class Client:
     HEAVY = ("model", "strategy", "bridge", "train_stream", "test_stream", "rng", "stash", "_task_experience")
 
     def __init__(self, run: Run, client_id: int, tasks: ClientTasks, model: nn.Module):
-        from fedaval.evaluation import make_evaluator
+        from fedaval.evaluation import PredictionRecorder, make_evaluator
         from fedaval.streams import make_train_stream, shared_test_stream
         from fedaval.training import make_optimizer
 
@@ -81,7 +81,7 @@ class Client:
             train_epochs=config.local_epochs,
             eval_mb_size=256,
             device=run.device,
-            plugins=[self.bridge, *method_plugins],
+            plugins=[self.bridge, *method_plugins, *([PredictionRecorder()] if config.client_test == "train" else [])],
             evaluator=make_evaluator(run, f"client{client_id:03d}"),
             eval_every=-1,
         )
@@ -179,6 +179,19 @@ class Client:
 
     def seen_classes(self) -> list[int]:
         return sorted({c for t in self.tasks_started for c in self.tasks.classes[t]})
+
+    def train_class_mix(self) -> dict[int, int]:
+        """Training samples of each class over the tasks this client has
+        trained (``--client-test train`` weighs its test accuracy by them)."""
+        import torch
+
+        counts: dict[int, int] = {}
+        for t in self.tasks_started:
+            idx = torch.as_tensor(self.tasks.indices[t], dtype=torch.long)
+            classes, sizes = torch.unique(self.run.data.train_y.cpu()[idx], return_counts=True)
+            for c, n in zip(classes.tolist(), sizes.tolist()):
+                counts[c] = counts.get(c, 0) + n
+        return counts
 
     @contextmanager
     def rng_scope(self, keep_draws: bool = True) -> Iterator[None]:

@@ -20,6 +20,7 @@ OPTIMIZER_STATES = ("reset", "keep")
 LR_SCHEDULES = ("constant", "cosine", "exp")
 AUGMENTS = ("auto", "none", "standard")
 CUDA_GRAPH_SCOPES = ("features", "step")  # what --cuda-graphs captures (fedaval.cuda_graphs)
+CLIENT_TESTS = ("test", "train")  # how a client's accuracy weighs its classes (fedaval.evaluation.client_accuracy_on)
 PRECISIONS = ("fp32", "bf16")  # local training's forward and loss (fedaval.training.autocast)
 COMPILE_BACKENDS = ("off", "inductor", "aot_eager")  # --compile (fedaval.training.compiled_features)
 MAX_CLIENT_STREAMS = 64  # --client-streams (fedaval.cuda_streams)
@@ -77,6 +78,7 @@ class RunConfig:
     client_streams: int = 1
     stack_clients: bool = False
     eval_every: int = 1
+    client_test: str = "test"
     utility_lambda: float = 0.5
     link_mbps: float = 100.0
     device: str = "auto"
@@ -189,6 +191,7 @@ class RunConfig:
             ("--lr-schedule", self.lr_schedule, self.lr_schedule in LR_SCHEDULES, "one of " + ", ".join(LR_SCHEDULES)),
             ("--augment", self.augment, self.augment in AUGMENTS, "one of " + ", ".join(AUGMENTS)),
             ("--precision", self.precision, self.precision in PRECISIONS, "one of " + ", ".join(PRECISIONS)),
+            ("--client-test", self.client_test, self.client_test in CLIENT_TESTS, "one of " + ", ".join(CLIENT_TESTS)),
             ("--compile", self.compile, self.compile in COMPILE_BACKENDS, "one of " + ", ".join(COMPILE_BACKENDS)),
             (
                 "--client-streams",

@@ -22,6 +22,7 @@ from fedaval.evaluation import (
     add_scalar,
     backward_transfer,
     client_accuracies,
+    client_accuracy_on,
     continual_utility,
     exp_acc_key,
     forgetting,
@@ -256,9 +257,7 @@ def evaluate(run: Run, round: int) -> dict[str, Any]:
             global_task_accuracy=[scalar(metrics, exp_acc_key(t)) for t in range(run.task + 1)],
             avalanche_forgetting=scalar(metrics, STREAM_FORGETTING),
             avalanche_bwt=scalar(metrics, STREAM_BWT),
-            a_glo=mean_or_none(
-                accuracy_on(predicted, labels, c.seen_classes()) for c in run.clients if c.tasks_started
-            ),
+            a_glo=mean_or_none(client_accuracy_on(run, c, predicted, labels) for c in run.clients if c.tasks_started),
             stability=stability,
             plasticity=plasticity,
             utility=continual_utility(stability, plasticity, run.config.utility_lambda),

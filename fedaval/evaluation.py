@@ -121,10 +121,30 @@ def client_accuracies(run: Run, round: int) -> dict[int, float | None]:
             # draws a loader seed from them), so its training goes on as it would have without it
             with client.rng_scope(keep_draws=trained):
                 client.last_eval = run.hook.fedaval_client_evaluate(run=run, client=client) or {}
+            if client.last_eval and run.config.client_test == "train":
+                predicted, labels = client_predictions(client)
+                client.last_eval = {
+                    **client.last_eval,
+                    MIX_ACCURACY: client_accuracy_on(run, client, predicted, labels),
+                }
             client.evaluated_at = round
         if client.last_eval:
-            accuracies[client.id] = scalar(client.last_eval, STREAM_ACC)
+            accuracies[client.id] = client.last_eval.get(MIX_ACCURACY, scalar(client.last_eval, STREAM_ACC))
     return accuracies
+
+
+#: ``client.last_eval``'s key for the accuracy ``--client-test train`` reads (its own class mix).
+MIX_ACCURACY = "fedaval/client_mix_accuracy"
+
+
+def client_predictions(client: Any):
+    """``(predicted, labels)`` of the client's last evaluation, from the
+    :class:`PredictionRecorder` its strategy has with ``--client-test
+    train``, which is then emptied (an idle client keeps no predictions)."""
+    recorder = next(p for p in client.strategy.plugins if isinstance(p, PredictionRecorder))
+    predicted, labels = recorder.predictions()
+    recorder.before_eval(client.strategy)
+    return predicted, labels
 
 
 def evaluation_metrics() -> list[Any]:
@@ -327,6 +347,31 @@ def accuracy_on(predicted, labels, classes) -> float | None:
     if not bool(mask.any()):
         return None
     return float((predicted[mask] == labels[mask]).float().mean())
+
+
+def class_mix_accuracy(predicted, labels, weights: dict[int, float]) -> float | None:
+    """``sum_c w_c acc_c / sum_c w_c`` over the classes of ``weights`` that
+    have samples in ``labels``, ``acc_c`` the accuracy on class ``c``'s
+    samples: the expected accuracy on test data whose classes come in the
+    proportions ``weights`` (None if no class has a sample)."""
+    total = weighted = 0.0
+    for c, w in weights.items():
+        mask = labels == c
+        if w > 0 and bool(mask.any()):
+            weighted += w * float((predicted[mask] == c).float().mean())
+            total += w
+    return weighted / total if total else None
+
+
+def client_accuracy_on(run: Run, client: Any, predicted, labels) -> float | None:
+    """``client``'s accuracy from predictions on test samples, as
+    ``--client-test`` reads it: ``test``, the accuracy over the samples of
+    the classes it has seen (the test split's class mix); ``train``, each
+    seen class's accuracy weighted by the client's share of training samples
+    of that class over the stages it trained (:meth:`Client.train_class_mix`)."""
+    if run.config.client_test == "train":
+        return class_mix_accuracy(predicted, labels, client.train_class_mix())
+    return accuracy_on(predicted, labels, client.seen_classes())
 
 
 def mean_or_none(values) -> float | None:

@@ -643,3 +643,66 @@ def test_evaluation_makes_each_experiences_views_and_names_once(tiny_config, mon
     assert "_names" in vars(metric) and "_names" not in metric.__getstate__()
     restored = state.loads(run, state.dumps(run, evaluator))
     assert not hasattr(restored, "_logging_views") or not restored._logging_views
+
+
+# --- --client-test: how a client's accuracy weighs its classes ----------------------
+def test_class_mix_accuracy_by_hand():
+    import torch
+
+    from fedaval.evaluation import class_mix_accuracy
+
+    labels = torch.tensor([0, 0, 1, 1, 1, 1, 2])
+    predicted = torch.tensor([0, 1, 1, 1, 0, 0, 2])  # class 0: 1/2, class 1: 2/4, class 2: 1/1
+    assert class_mix_accuracy(predicted, labels, {0: 3, 1: 1}) == pytest.approx((3 * 0.5 + 1 * 0.5) / 4)
+    assert class_mix_accuracy(predicted, labels, {1: 1, 2: 3}) == pytest.approx((0.5 + 3) / 4)
+    assert class_mix_accuracy(predicted, labels, {2: 1, 5: 9}) == 1.0  # a class without test samples is left out
+    assert class_mix_accuracy(predicted, labels, {5: 1}) is None
+
+
+class MixProbe:
+    """The global model's A_glo with each client's classes weighed by its
+    training samples, recomputed by hand from the server's predictions."""
+
+    name = "mix-probe"
+
+    def __init__(self):
+        self.a_glo: dict[int, float] = {}
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        import numpy as np
+
+        predicted, labels = (t.numpy() for t in run.server.predictions.predictions())
+        values = []
+        for client in run.clients:
+            if not client.tasks_started:
+                continue
+            idx = np.concatenate([client.tasks.indices[t] for t in client.tasks_started])
+            counts = np.bincount(run.data.train_y.cpu().numpy()[idx], minlength=run.num_classes)
+            per_class = [(counts[c], (predicted[labels == c] == c).mean()) for c in np.flatnonzero(counts)]
+            values.append(sum(n * a for n, a in per_class) / sum(n for n, _ in per_class))
+        self.a_glo[round] = float(np.mean(values))
+
+
+def test_client_test_train_weighs_each_class_by_the_clients_training_share(tmp_path):
+    """``--client-test train``: A_glo by hand; the clients' a_loc and GLDP's
+    own A_loc (computed apart, from features) agree under the weighing;
+    training is untouched, so the global accuracy is the default run's."""
+    from fedaval.api import run_training
+
+    settings = dict(
+        plugins=["gldp"],
+        scenario="sthfl",
+        scenario_options={"clients": 4, "classes_per_task": 3, "tasks": 2, "imbalance": 10.0},
+        rounds_per_task=2,
+    )
+    probe = MixProbe()
+    mixed = run_training(tiny_run_config(tmp_path / "train", client_test="train", **settings), extra_plugins=[probe])
+    plain = run_training(tiny_run_config(tmp_path / "test", **settings))
+    assert [r["global_accuracy"] for r in mixed["rounds"]] == [r["global_accuracy"] for r in plain["rounds"]]
+    for r in mixed["rounds"]:
+        assert r["a_glo"] == pytest.approx(probe.a_glo[r["round"]], abs=1e-6)
+        if r["task_end"]:
+            assert r["a_loc"] == pytest.approx(r["plugin_metrics"]["gldp"]["gldp_a_loc_gp"], abs=1e-6)
+    assert any(m["a_glo"] != pytest.approx(p["a_glo"]) for m, p in zip(mixed["rounds"], plain["rounds"]))
+    assert any(m["a_loc"] != pytest.approx(p["a_loc"]) for m, p in zip(mixed["rounds"], plain["rounds"]))

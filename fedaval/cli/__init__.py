@@ -200,6 +200,14 @@ def cli() -> None:
     help="Evaluate every N rounds (and always at the end of each task).",
 )
 @click.option(
+    "--client-test",
+    default="test",
+    show_default=True,
+    help="How a client's accuracy (client_accuracy, a_loc, a_sel, a_glo) weighs its seen classes: test, every "
+    "test sample of them once (the test split's class mix); train, each class's accuracy weighted by the "
+    "client's share of training samples of that class (its own class mix; docs/report.md).",
+)
+@click.option(
     "--utility-lambda",
     default=0.5,
     show_default=True,

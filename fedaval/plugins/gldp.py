@@ -55,6 +55,7 @@ from typing import Literal
 import torch
 
 from fedaval import hookimpl
+from fedaval.evaluation import client_accuracy_on
 from fedaval.options import option, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.plugins.gldp_math import (
@@ -244,7 +245,7 @@ class GLDP(PersonalHead, Plugin):
     @hookimpl
     def fedaval_round_metrics(self, run, round):
         """A_loc of both GLDP-GP and GLDP-LP (each client's base on the test
-        data of its seen classes), from one run. A client's test features are
+        data of its seen classes, weighed as ``--client-test`` says), from one run. A client's test features are
         recomputed only after it trained again; the prototypes are the latest.
         Computed at the end of each stage only (one more pass over each
         client's test data)."""
@@ -266,7 +267,9 @@ class GLDP(PersonalHead, Plugin):
                 prototypes = self.prototypes_for(client, predict)
                 if prototypes:
                     pred = nearest_prototype_scores(feats, prototypes, run.num_classes).argmax(dim=1)
-                    values.append(float((pred == labels).float().mean()))
+                    accuracy = client_accuracy_on(run, client, pred, labels)
+                    if accuracy is not None:
+                        values.append(accuracy)
         keys = {"global": "gldp_a_loc_gp", "local": "gldp_a_loc_lp"}
         return {keys[p]: sum(v) / len(v) for p, v in accs.items() if v}
 

@@ -561,6 +561,6 @@ def fcl_random(
     clients = []
     for k, seq in enumerate(sequences):
         groups = [sorted(int(c) for c in seq[i : i + classes_per_task]) for i in range(0, len(seq), classes_per_task)]
-        tasks = [np.concatenate([pieces[(k, c)] for c in group]).astype(np.int64) for group in groups]
-        clients.append(ClientTasks(indices=tasks, classes=groups))
+        indices = [np.concatenate([pieces[(k, c)] for c in group]).astype(np.int64) for group in groups]
+        clients.append(ClientTasks(indices=indices, classes=groups))
     return Partition(clients)
