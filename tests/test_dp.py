@@ -182,3 +182,15 @@ def test_python_floats_in_an_upload_are_noised_and_booleans_kept():
     [out] = privatise([{"glfc_signal": {"entropy": 2.294, "new_task": True}}], {}, DPOptions(clip=10.0), set())
     assert isinstance(out["glfc_signal"]["entropy"], float) and out["glfc_signal"]["entropy"] != 2.294
     assert out["glfc_signal"]["new_task"] is True
+
+
+def test_a_frozen_parameter_that_did_not_move_is_sent_as_received_and_the_rest_is_noised():
+    torch.manual_seed(0)
+    received = {"features.w": torch.ones(3), "classifier.w": torch.zeros(2)}
+    upload = {"weights": {"features.w": torch.ones(3), "classifier.w": torch.tensor([0.3, 0.4])}}
+    [out] = privatise([upload], received, DPOptions(clip=1.0, noise=1.0), set(), frozen={"features.w"})
+    assert torch.equal(out["weights"]["features.w"], torch.ones(3))  # no noise on a weight no one trains
+    assert not torch.equal(out["weights"]["classifier.w"], upload["weights"]["classifier.w"])
+    moved = {"features.w": torch.full((3,), 2.0), "classifier.w": torch.tensor([0.3, 0.4])}
+    [out] = privatise([{"weights": moved}], received, DPOptions(clip=1.0, noise=1.0), set(), frozen={"features.w"})
+    assert not torch.equal(out["weights"]["features.w"], moved["features.w"])  # frozen but moved: noised

@@ -115,7 +115,8 @@ class DP(Plugin):
         list of their results and returns it transformed)."""
         results = yield
         received = client.stash.pop(RECEIVED, None) or {}
-        return privatise(results, received, self.options, buffer_keys(client.model, received))
+        frozen = {name for name, p in client.model.named_parameters() if not p.requires_grad and name in received}
+        return privatise(results, received, self.options, buffer_keys(client.model, received), frozen)
 
     # --- server -------------------------------------------------------------
     @hookimpl
@@ -164,11 +165,20 @@ def buffer_keys(model, shared: dict) -> set[str]:
     return {key for key in shared if key not in params}
 
 
-def privatise(results: list, received: dict, options: DPOptions, buffers: set[str]) -> list:
+def privatise(
+    results: list, received: dict, options: DPOptions, buffers: set[str], frozen: set[str] = frozenset()
+) -> list:
     """Reading 1-4 of the module docstring on the plugins' upload results
     (``[{entry: payload}, ...]``): the ``"weights"`` entry becomes
     ``received + noisy(update)``; every other floating payload is noised in
-    place; all of them share one clip."""
+    place; all of them share one clip. A ``frozen`` parameter (not trained
+    by the client: FedProK's extractor after its first task) whose value is
+    exactly the received one is sent as received, unnoised: its update is 0
+    whatever the client's data, so leaving it out of the vector costs no
+    privacy (it adds 0 to the norm), and noising it only wrecked a weight
+    no one trains (until session 34)."""
+    import torch
+
     from fedaval.plugins.dp_math import clip_and_noise, float_tensors, replace_float_tensors
 
     prepared = []
@@ -180,17 +190,18 @@ def privatise(results: list, received: dict, options: DPOptions, buffers: set[st
         weights = entries.get("weights")
         if weights:
             kept = {k: v for k, v in weights.items() if k in buffers}
+            still = {k: v for k, v in weights.items() if k in frozen and torch.equal(v, received[k].to(v.device))}
             update = {
                 k: (v - received[k].to(v.device)) if k in received else v
                 for k, v in weights.items()
-                if k not in buffers
+                if k not in buffers and k not in still
             }
             entries["weights"] = update
             entries["__dp_buffers__"] = kept
+            entries["__dp_frozen__"] = still
         prepared.append(entries)
-    protected = [
-        t for r in prepared if r for key, value in r.items() if key != "__dp_buffers__" for t in float_tensors(value)
-    ]
+    aside = ("__dp_buffers__", "__dp_frozen__")
+    protected = [t for r in prepared if r for key, value in r.items() if key not in aside for t in float_tensors(value)]
     noisy, _ = clip_and_noise(protected, options.clip, options.noise)
     stream = iter(noisy)
     out = []
@@ -199,9 +210,11 @@ def privatise(results: list, received: dict, options: DPOptions, buffers: set[st
             out.append(entries)
             continue
         kept = entries.pop("__dp_buffers__", None)
+        still = entries.pop("__dp_frozen__", {})
         entries = {key: replace_float_tensors(value, stream) for key, value in entries.items()}
         if kept is not None:
             weights = {k: (v + received[k].to(v.device)) if k in received else v for k, v in entries["weights"].items()}
+            weights.update(still)
             if options.buffers == "keep":
                 weights.update(kept)
             entries["weights"] = weights
