@@ -194,3 +194,21 @@ def test_a_frozen_parameter_that_did_not_move_is_sent_as_received_and_the_rest_i
     moved = {"features.w": torch.full((3,), 2.0), "classifier.w": torch.tensor([0.3, 0.4])}
     [out] = privatise([{"weights": moved}], received, DPOptions(clip=1.0, noise=1.0), set(), frozen={"features.w"})
     assert not torch.equal(out["weights"]["features.w"], moved["features.w"])  # frozen but moved: noised
+
+
+class ReadsClientData:
+    """A third-party method whose server reads the clients' data directly."""
+
+    name = "peek"
+
+    @hookimpl
+    def fedaval_server_reads_client_data(self, run):
+        return "peek reads every client's images on the server"
+
+
+def test_any_plugin_that_says_its_server_reads_client_data_is_refused_with_dp(tiny_config):
+    from fedaval.build import build_run
+
+    with pytest.raises(FedavalUsageError, match="outside the uploads: peek reads every client's images"):
+        build_run(tiny_config(plugins=["fedavg", DP]), extra_plugins=[ReadsClientData()])
+    build_run(tiny_config(plugins=["fedavg"]), extra_plugins=[ReadsClientData()])  # without dp: nothing to protect
