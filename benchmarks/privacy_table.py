@@ -64,7 +64,8 @@ def row(results: dict, method: str, noise) -> str:
     cells = []
     for kind in ("weights", "prototypes"):
         m = mean.get(kind)
-        cells.append("-" if m is None else f"{1e3 * m['p']:.1f} / {m['psnr']:.1f} ({m['ssim']:.2f})")
+        guess = f"; guess {1e3 * m['p_guess']:.1f}" if m and "p_guess" in m else ""  # runs before session 34 lack it
+        cells.append("-" if m is None else f"{1e3 * m['p']:.1f} / {m['psnr']:.1f} ({m['ssim']:.2f}){guess}")
     dp = "none" if noise is None else f"z={noise}, C={CLIP}"
     return f"| {method} | {dp} | {'-' if eps is None else f'{eps:.3g}'} | {cells[0]} | {cells[1]} | {100 * acc:.1f} |"
 
@@ -88,7 +89,8 @@ def main() -> None:
     out = args.out
     root = cifar_subset(args.train, args.test)
     lines = [
-        "| method | DP | epsilon (delta 1e-5) | weights attack: P x1e-3 / PSNR dB (SSIM) | prototype attack: P x1e-3 / PSNR dB (SSIM) | accuracy % |",
+        "| method | DP | epsilon (delta 1e-5) | weights attack: P x1e-3 / PSNR dB (SSIM); guess P | "
+        "prototype attack: P x1e-3 / PSNR dB (SSIM); guess P | accuracy % |",
         "|---|---|---|---|---|---|",
     ]
     import os

@@ -43,8 +43,10 @@ def test_attacking_during_training_changes_no_training_result(tiny_config, tmp_p
     ]
     for a in block["attacks"]:
         assert a["p"] == pytest.approx(1 - 1 / (1 + a["mse"]))
+        assert 0 < a["p_guess"] < 1 and a["psnr_guess"] > 0  # the data-free guess, scored alike
         assert (tmp_path / "attacked" / "privacy" / a["grid"].split("/")[-1]).is_file()
     assert set(block["mean"]) == {"weights", "prototypes"}
+    assert all("p_guess" in m for m in block["mean"].values())
     events = list((tmp_path / "attacked" / "tb").glob("events.*"))
     assert events and max(e.stat().st_size for e in events) > 0
 
@@ -117,3 +119,17 @@ def test_fedaval_attack_replays_a_round_of_a_finished_run(tiny_config, tmp_path)
     assert (out / "results.json").read_text() == before  # the run folder's results are untouched
     bad = CliRunner().invoke(cli, ["attack", str(out), "--round", "9"])
     assert bad.exit_code == 2 and "round" in bad.output
+
+
+def test_the_data_free_guess_is_each_labels_mean_test_image():
+    import types
+
+    import torch
+
+    from fedaval.plugins.attack import label_mean_images
+
+    x = torch.tensor([[[[0]]], [[[255]]], [[[51]]]], dtype=torch.uint8)  # three 1x1 grey images
+    data = types.SimpleNamespace(test_x=x, test_y=torch.tensor([0, 0, 1]))
+    guess = label_mean_images(types.SimpleNamespace(data=data), torch.tensor([1, 0]))
+    assert guess.shape == (2, 1, 1, 1)
+    assert guess.flatten().tolist() == pytest.approx([0.2, 0.5])
