@@ -212,3 +212,15 @@ def test_any_plugin_that_says_its_server_reads_client_data_is_refused_with_dp(ti
     with pytest.raises(FedavalUsageError, match="outside the uploads: peek reads every client's images"):
         build_run(tiny_config(plugins=["fedavg", DP]), extra_plugins=[ReadsClientData()])
     build_run(tiny_config(plugins=["fedavg"]), extra_plugins=[ReadsClientData()])  # without dp: nothing to protect
+
+
+def test_a_delta_not_below_one_over_the_clients_is_warned_about(tiny_config, caplog):
+    from fedaval.build import build_run
+
+    with caplog.at_level("WARNING", logger="fedaval"):
+        build_run(tiny_config(plugins=["fedavg", DP], plugin_options={"dp": {"delta": "0.5"}}))
+    assert any("dp.delta=0.5 is not below 1/N" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedaval"):
+        build_run(tiny_config(plugins=["fedavg", DP]))
+    assert not any("dp.delta" in r.getMessage() for r in caplog.records)

@@ -98,6 +98,17 @@ class DP(Plugin):
             import opacus.accountants  # noqa: F401
         except ImportError as exc:
             raise FedavalUsageError(f"--plugins dp needs opacus (pip install 'fedaval[privacy]'): {exc}") from None
+        clients = len(run.partition.clients)
+        if self.options.delta >= 1 / clients:
+            import logging
+
+            logging.getLogger("fedaval").warning(
+                "dp.delta=%g is not below 1/N = %.3g for N = %d clients: with client-level DP a mechanism that "
+                "publishes one client's data whole meets delta = 1/N; take delta well below it",
+                self.options.delta,
+                1 / clients,
+                clients,
+            )
         outside = [answer for answer in run.hook.fedaval_server_reads_client_data(run=run) if answer]
         if outside:
             raise FedavalUsageError(
