@@ -177,7 +177,11 @@ def buffer_keys(model, shared: dict) -> set[str]:
 
 
 def privatise(
-    results: list, received: dict, options: DPOptions, buffers: set[str], frozen: set[str] = frozenset()
+    results: list,
+    received: dict,
+    options: DPOptions,
+    buffers: set[str],
+    frozen: frozenset[str] | set[str] = frozenset(),
 ) -> list:
     """Reading 1-4 of the module docstring on the plugins' upload results
     (``[{entry: payload}, ...]``): the ``"weights"`` entry becomes
