@@ -184,6 +184,7 @@ def resume_training(
             f"{where} has no checkpoint in {checkpoint.FOLDER}/ (it stopped before its first checkpoint, "
             "or ran with --checkpoint-every 0)"
         )
+    check_unchanged(where, settings, out_dir)
     config = RunConfig.from_dict(settings)
     config.out = str(out_dir)
     run = build_run(config, extra_plugins=extra_plugins, out_dir=out_dir)
@@ -195,6 +196,28 @@ def resume_training(
     if echo is not None:
         echo(format_summary(results, out_dir))
     return results
+
+
+def check_unchanged(where: str, settings: dict[str, Any], out_dir: Path) -> None:
+    """A one-line error when ``config.json`` no longer says what the run was
+    started with (results.json's ``config``, written beside it at the start):
+    the checkpoint holds state built from the first, and results.json would
+    report the first while training went on with the second."""
+    import json
+
+    try:
+        recorded = json.loads((out_dir / "results.json").read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return  # no readable results.json: nothing to compare with
+    if not isinstance(recorded, dict):
+        return
+    changed = sorted(k for k in set(settings) | set(recorded) if k != "out" and settings.get(k) != recorded.get(k))
+    if changed:
+        shown = ", ".join(f"{k} {recorded.get(k)!r} -> {settings.get(k)!r}" for k in changed[:3])
+        raise FedavalUsageError(
+            f"{where}: config.json differs from the configuration the run was started with ({shown}); "
+            "--resume continues a run as it was started: put config.json back, or start a new run"
+        )
 
 
 def _train(

@@ -534,6 +534,24 @@ def test_resume_errors_are_one_line(tmp_path, tiny_config):
         assert flag in line and value in line
 
 
+def test_resume_refuses_a_config_json_edited_since_the_run_began(tiny_config, tmp_path):
+    """Editing config.json and resuming trained with the new values while
+    results.json reported the old ones (a changed client count or a bad value
+    ended in a traceback)."""
+    from fedaval.api import run_training
+
+    run_training(tiny_config(out=str(tmp_path / "run")))
+    path = tmp_path / "run" / "config.json"
+    original = path.read_text()
+    for key, value in [("lr", 0.5), ("lr", "fast"), ("plugins", ["fedprox"]), ("rounds_per_task", 4)]:
+        path.write_text(json.dumps({**json.loads(original), key: value}))
+        line = one_line_error(["train", "--resume", str(tmp_path / "run")])
+        assert "config.json differs from the configuration the run was started with" in line and key in line
+    path.write_text(json.dumps({**json.loads(original), "out": "/moved/elsewhere"}))  # a moved folder is fine
+    result = CliRunner().invoke(cli, ["train", "--resume", str(tmp_path / "run"), "--quiet"])
+    assert result.exit_code == 0, result.output
+
+
 def test_an_existing_run_folder_points_to_resume(tiny_config, tmp_path):
     from fedaval.api import run_training
 
