@@ -9,6 +9,7 @@ that name the value and what is allowed (llm's ``Options`` with
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ def _type_name(tp: Any) -> str:
         return f"comma-separated {_type_name(get_args(tp)[0])}s"
     if get_origin(tp) in UNIONS:
         return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
+    if tp is float:
+        return "a finite number"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -69,7 +72,7 @@ def coerce(tp: Any, raw: Any) -> Any:
         return int(raw) if not isinstance(raw, str) else int(raw.strip())
     if tp is float:
         value = float(raw)
-        if value != value:  # NaN
+        if not math.isfinite(value):  # NaN and infinities: no option means anything by them
             raise ValueError(raw)
         return value
     if tp is str:

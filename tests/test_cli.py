@@ -102,6 +102,8 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
         (["--checkpoint-writer", "fork"], "bad value --checkpoint-writer fork; must be one of auto, thread"),
         (["--model", "vgg"], "unknown model 'vgg'"),
         (["--plugins", "os:nosuchthing"], "module 'os' has no attribute 'nosuchthing'"),
+        (["-p", "fedprox", "-o", "fedprox.mu=inf"], "bad value fedprox.mu='inf'; expected a finite number"),
+        (["-p", "fedprox", "-o", "fedprox.mu=nan"], "bad value fedprox.mu='nan'; expected a finite number"),
     ],
 )
 def test_bad_input_is_a_one_line_error_with_status_2(tmp_path, args, expected):
