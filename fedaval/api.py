@@ -58,6 +58,10 @@ def check_settings(settings: dict[str, Any] | RunConfig) -> RunConfig:
     config = settings if isinstance(settings, RunConfig) else RunConfig(**settings)
     config.validate()
     _check_names(config)
+    if config.out is not None and not str(config.out).strip():
+        raise FedavalUsageError(
+            "--out '' names no folder; give a folder for the run, or leave --out out for one under runs/"
+        )
     out_dir = Path(config.out) if config.out else default_out_dir(config)
     check_out_dir(out_dir)
     config.out = str(out_dir)
@@ -129,9 +133,16 @@ def check_out_dir(out_dir: Path) -> None:
     """One-line errors for a run folder that cannot take a new run: one that
     already holds results.json, a file, a path under a file, or a folder
     (or its nearest existing parent) that cannot be written."""
+    where = f"--out {str(out_dir)!r}"
+    try:
+        _check_out_dir(out_dir, where)
+    except OSError as exc:  # a name too long for the file system, say
+        raise FedavalUsageError(f"{where} cannot be used ({exc.strerror})") from None
+
+
+def _check_out_dir(out_dir: Path, where: str) -> None:
     import os
 
-    where = f"--out {str(out_dir)!r}"
     if out_dir.exists() and not out_dir.is_dir():
         raise FedavalUsageError(f"{where} is a file, not a folder; give a folder for the run")
     if (out_dir / "results.json").exists():

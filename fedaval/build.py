@@ -82,7 +82,10 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
     run.schedule = make_schedule(run.partition, config.rounds_per_task, config.clients_per_round, rng)
 
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # /proc, a name too long for the file system, a full disk
+            raise FedavalUsageError(f"--out {str(out_dir)!r} cannot be made ({exc.strerror})") from None
     run.hook.fedaval_setup(run=run)
     seed_everything(config.seed)  # models start the same whatever the plugins drew
     run.server = Server(run, run.model(None), run.federation_task_classes())

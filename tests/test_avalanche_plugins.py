@@ -90,7 +90,11 @@ def test_generic_path_options_are_typed_from_the_constructor():
     "spec, values, message",
     [
         ("avalanche:MASPlugin", {"lam": "1"}, "unknown option avalanche.lam; allowed: alpha, lambda_reg, verbose"),
-        ("avalanche:MASPlugin", {"lambda_reg": "abc"}, "bad value avalanche.lambda_reg='abc'; expected a finite number"),
+        (
+            "avalanche:MASPlugin",
+            {"lambda_reg": "abc"},
+            "bad value avalanche.lambda_reg='abc'; expected a finite number",
+        ),
         ("avalanche:LFLPlugin", {}, "bad value avalanche.lambda_e=(required); required by the Avalanche"),
         ("avalanche:NoSuchPlugin", {}, "unknown Avalanche plugin 'NoSuchPlugin'; allowed: AGEMPlugin,"),
     ],

@@ -104,6 +104,10 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
         (["--plugins", "os:nosuchthing"], "module 'os' has no attribute 'nosuchthing'"),
         (["-p", "fedprox", "-o", "fedprox.mu=inf"], "bad value fedprox.mu='inf'; expected a finite number"),
         (["-p", "fedprox", "-o", "fedprox.mu=nan"], "bad value fedprox.mu='nan'; expected a finite number"),
+        (["--plugins", ""], "--plugins '' names no plugin"),
+        (["--out", ""], "--out '' names no folder"),
+        (["--out", "/proc/fedaval-x"], "--out '/proc/fedaval-x'"),  # made by no one: a one-line error, not OSError
+        (["--out", "/tmp/" + "a" * 300], "cannot be used (File name too long)"),
     ],
 )
 def test_bad_input_is_a_one_line_error_with_status_2(tmp_path, args, expected):
