@@ -402,8 +402,9 @@ def train(config_path, plugins, options, out, quiet, seeds, resume_dir, time_lim
         return
     kwargs["plugins"] = split_plugin_specs(plugins)
     if not kwargs["plugins"] and ctx.get_parameter_source("plugins") == click.core.ParameterSource.COMMANDLINE:
-        given = ",".join(plugins) if isinstance(plugins, (list, tuple)) else plugins
-        raise FedavalUsageError(f"--plugins {given!r} names no plugin; give one or more, e.g. --plugins fedavg")
+        raise FedavalUsageError(
+            f"--plugins {','.join(plugins)!r} names no plugin; give one or more, e.g. --plugins fedavg"
+        )
     file_tables = config_file.file_options(ctx)
     file_values = ctx.default_map or {}
     for name, cli_names in (("plugins", kwargs["plugins"]), ("scenario", [kwargs["scenario"]])):
