@@ -175,6 +175,9 @@ def load_into_context(ctx, param, value):
     params = {p.name: p for p in ctx.command.params if p.name and p.name != param.name}
     values, options = read_config_file(value, params)
     for key, raw in values.items():
+        wanted = _toml_type_problem(params[key], raw)
+        if wanted:
+            raise FedavalUsageError(f"bad value for {_flag(key)!r} in {str(value)!r}: {raw!r} is not {wanted}")
         try:
             params[key].type_cast_value(ctx, raw)
         except click.BadParameter as exc:
@@ -182,6 +185,24 @@ def load_into_context(ctx, param, value):
     ctx.default_map = {**(ctx.default_map or {}), **values}
     ctx.meta[META_KEY] = options
     return value
+
+
+def _toml_type_problem(param, raw: Any) -> str | None:
+    """What a TOML value of the wrong kind for ``param`` should have been
+    (``None`` when it fits): click would truncate ``1.5`` to an integer option's
+    1 and fail on an integer for a flag; text is left to click, as the command
+    line gives it."""
+    import click
+
+    if isinstance(raw, str):
+        return None
+    if param.is_flag or isinstance(param.type, click.types.BoolParamType):
+        return None if isinstance(raw, bool) else "true or false"
+    if isinstance(param.type, click.types.IntParamType):
+        return None if isinstance(raw, int) and not isinstance(raw, bool) else "an integer"
+    if isinstance(param.type, click.types.FloatParamType):
+        return None if isinstance(raw, (int, float)) and not isinstance(raw, bool) else "a number"
+    return "text" if isinstance(raw, bool) else None
 
 
 def file_options(ctx) -> dict[str, dict[str, Any]]:

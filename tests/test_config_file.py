@@ -95,6 +95,11 @@ def test_unknown_key_is_a_one_line_error_naming_key_and_allowed(tmp_path, captur
         ("lr = 0.1\nlr = 0.2\n", "not valid TOML"),
         ("seed = 1\nseeds = [1, 2]\n", "both 'seed' and 'seeds'"),
         ("rounds-per-task = 2\nrounds_per_task = 3\n", "given twice"),
+        # TOML kinds click would truncate (1.5 -> 1) or fail on with a traceback (an integer for a flag)
+        ("rounds-per-task = 1.5\n", "bad value for 'rounds-per-task' in"),
+        ("seed = 1.7\n", "1.7 is not an integer"),
+        ("deterministic = 1\n", "1 is not true or false"),
+        ("lr = true\n", "True is not a number"),
     ],
 )
 def test_bad_files_are_one_line_errors(tmp_path, captured, text, message):
