@@ -417,13 +417,36 @@ def restore_latest(run: Run) -> tuple[int, dict[str, Any]]:
     assert run.out_dir is not None, "only a run with a folder is checkpointed"
     for round, path in saved(run.out_dir):
         try:
-            return round, restore(run, path)
+            results = restore(run, path)
         except (pickle.UnpicklingError, EOFError, OSError, AttributeError, ImportError) as exc:
             logging.getLogger("fedaval").warning("checkpoint %s cannot be read (%s); trying an older one", path, exc)
             errors.append(f"{path.name}: {exc}")
+            continue
+        check_same_run(run, path, results)
+        return round, results
     raise FedavalUsageError(
         f"--resume {str(run.out_dir)!r}: no readable checkpoint in {FOLDER}/ ({'; '.join(errors) or 'none saved'})"
     )
+
+
+def check_same_run(run: Run, path: Path, results: dict[str, Any]) -> None:
+    """A one-line error when checkpoint ``path`` was written by a run of
+    another configuration (one copied in from another run folder: a FedProx
+    run's state resumed as FedAvg, say); the run folder's place (``out``)
+    may differ."""
+    from fedaval.config import RunConfig
+
+    recorded = results.get("config") if isinstance(results, dict) else None
+    if not isinstance(recorded, dict):
+        return
+    written = RunConfig.from_dict(recorded).to_dict()
+    now = run.config.to_dict()
+    changed = sorted(k for k in now if k != "out" and written.get(k) != now.get(k))
+    if changed:
+        shown = ", ".join(f"{k} {written.get(k)!r} -> {now.get(k)!r}" for k in changed[:3])
+        raise FedavalUsageError(
+            f"{path} was written by a run of another configuration ({shown}); it cannot be resumed here"
+        )
 
 
 def plugin_state(plugin: Any) -> dict[str, Any] | None:

@@ -552,6 +552,21 @@ def test_resume_refuses_a_config_json_edited_since_the_run_began(tiny_config, tm
     assert result.exit_code == 0, result.output
 
 
+def test_resume_refuses_a_checkpoint_copied_in_from_a_run_of_another_configuration(tiny_config, tmp_path):
+    import shutil
+
+    from fedaval import checkpoint
+    from fedaval.api import run_training
+
+    run_training(tiny_config(out=str(tmp_path / "avg")))
+    run_training(tiny_config(plugins=["fedprox"], out=str(tmp_path / "prox")))
+    (_, newest), *_ = checkpoint.saved(tmp_path / "avg")
+    (_, other), *_ = checkpoint.saved(tmp_path / "prox")
+    shutil.copyfile(other, newest)
+    line = one_line_error(["train", "--resume", str(tmp_path / "avg")])
+    assert "was written by a run of another configuration (plugins ['fedprox'] -> ['fedavg']" in line
+
+
 def test_an_existing_run_folder_points_to_resume(tiny_config, tmp_path):
     from fedaval.api import run_training
 
