@@ -130,6 +130,14 @@ def test_weights_option_loads_a_checkpoint_without_warning(tiny_config, tmp_path
         assert torch.equal(value, state[key]), key
     with pytest.raises(FedavalUsageError, match="hgp.weights"):
         make_run(tiny_config, expect_warning=False, weights=str(tmp_path / "missing.pt"))
+    # files that are not the backbone's weights: one-line errors, not tracebacks
+    (tmp_path / "text.pt").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    torch.save([1, 2], tmp_path / "list.pt")
+    torch.save({"other.weight": torch.zeros(2)}, tmp_path / "keys.pt")
+    for name, message in [("text", "not a weights file"), ("list", "holds no state dict"), ("keys", "does not fit")]:
+        with pytest.raises(FedavalUsageError, match=message) as info:
+            make_run(tiny_config, expect_warning=False, weights=str(tmp_path / f"{name}.pt"))
+        assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -142,18 +142,28 @@ def load_backbone_weights(module: nn.Module, path: str) -> None:
     """Load a checkpoint (a ``state_dict``, or a dict holding one under
     ``state_dict``/``model``) into ``module``, ignoring classifier heads
     (``heads.*``, ``head.*``, ``_fc.*``, ``fc.*``). Any other missing or
-    unexpected key is an error naming the keys."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    unexpected key is a one-line error naming the keys, and so is a file
+    that is no weights file (``hgp.weights=/etc/passwd``) or holds no dict."""
+    from fedaval.errors import FedavalUsageError
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a file that is not its own
+        raise FedavalUsageError(
+            f"hgp.weights={path!r} is not a weights file torch can read ({type(exc).__name__})"
+        ) from None
     for wrapper in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
             state = state[wrapper]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise FedavalUsageError(f"hgp.weights={path!r} holds no state dict (names to tensors)")
     heads = ("heads.", "head.", "_fc.", "fc.")
     state = {k: v for k, v in state.items() if not k.startswith(heads)}
     own = {k for k in module.state_dict() if not k.startswith(heads)}
     missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not fit the backbone: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        raise FedavalUsageError(
+            f"hgp.weights={path!r} does not fit the backbone: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     module.load_state_dict(state, strict=False)
 
