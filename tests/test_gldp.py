@@ -212,6 +212,8 @@ def test_phase_rule():
         resolve_phases(1, 1, 2, third, ("t", "s"), "gldp")
     with pytest.raises(FedavalUsageError, match="does not fit"):
         resolve_phases(2, 5, None, third, ("t", "s"), "gldp")
+    with pytest.raises(FedavalUsageError, match="train nothing; give them a sum of --local-epochs 1"):
+        resolve_phases(1, 0, 0, third, ("t", "s"), "gldp")  # not "pass --local-epochs 0", itself refused
     assert [part_of_epoch(e, (1, 2), ("base", "head")) for e in range(3)] == ["base", "head", "head"]
     assert part_of_epoch(0, None, ("base", "head")) == "all"
 

@@ -53,6 +53,11 @@ def resolve_phases(
     if first is not None and first < 0 or second is not None and second < 0:
         raise FedavalUsageError(f"{owner}.{names[0]} and {owner}.{names[1]} must be >= 0")
     if first is not None and second is not None:
+        if first + second == 0:
+            raise FedavalUsageError(
+                f"{owner}.{names[0]}=0 + {owner}.{names[1]}=0 local epochs per round train nothing; "
+                f"give them a sum of --local-epochs {local_epochs}"
+            )
         if first + second != local_epochs:
             raise FedavalUsageError(
                 f"{owner}.{names[0]}={first} + {owner}.{names[1]}={second} local epochs per round, "
