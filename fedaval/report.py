@@ -596,10 +596,15 @@ def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
     ``[paper.<metric>]`` whose name is a report metric become columns."""
     from fedaval.config_file import full_scale_runs, read_paper_table
 
-    with open(path, "rb") as fh:
-        import tomllib
+    import tomllib
 
-        data = tomllib.load(fh)
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise FedavalUsageError(f"--paper {str(path)!r} cannot be read ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise FedavalUsageError(f"--paper {str(path)!r} is not valid TOML: {exc}") from None
     base_plugins = list(data.get("plugins") or ["fedavg"])
     # the file's own option values: a row that sets none of them (``""``) runs with these
     file_options = {

@@ -106,6 +106,9 @@ def test_a_folder_that_is_not_a_run_is_a_one_line_error(runs, tmp_path):
     (tmp_path / "junk" / "results.json").write_text('{"not": "a run"}')
     result = CliRunner().invoke(cli, ["report", str(tmp_path / "junk")])
     assert result.exit_code == 2 and "not a fedaval results file" in result.output
+    (tmp_path / "paper.toml").write_text("[paper\n")  # broken TOML: one line, not a traceback
+    result = CliRunner().invoke(cli, ["report", str(runs["a-s1"]), "--paper", str(tmp_path / "paper.toml")])
+    assert result.exit_code == 2 and "is not valid TOML" in result.output and result.output.strip().count("\n") == 0
 
 
 def test_mean_std_by_hand():
