@@ -594,9 +594,9 @@ def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
     row's arguments on top of the config's own run; ``[paper.full-scale.runs]``
     a row's other arguments at the paper's scale, which match it too). Tables
     ``[paper.<metric>]`` whose name is a report metric become columns."""
-    from fedaval.config_file import full_scale_runs, read_paper_table
-
     import tomllib
+
+    from fedaval.config_file import full_scale_runs, read_paper_table
 
     try:
         with open(path, "rb") as fh:
