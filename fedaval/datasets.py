@@ -248,9 +248,19 @@ def _load_cached(
         data = build()
     if derived is not None:
         data.update(derived[1](data))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path, shared=True) as fh:  # runs side by side may build the same cache
-        torch.save(data, fh)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path, shared=True) as fh:  # runs side by side may build the same cache
+            torch.save(data, fh)
+    except OSError as exc:  # a cache is a saving, not a need: the run goes on with the decoded data
+        import logging
+
+        logging.getLogger("fedaval").warning(
+            "cannot cache the decoded images in %s (%s): the next run decodes them again; "
+            "FEDAVAL_CACHE names a writable folder",
+            path.parent,
+            exc.strerror or exc,
+        )
     return data
 
 

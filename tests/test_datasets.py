@@ -45,6 +45,17 @@ def test_imagefolder_errors_name_the_problem(tmp_path, cifar10_root):
         load_dataset("imagefolder", broken)
 
 
+def test_a_cache_that_cannot_be_written_is_a_warning_and_the_data_still_loads(
+    tmp_path, cifar10_root, monkeypatch, caplog
+):
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("FEDAVAL_CACHE", str(tmp_path / "a-file"))
+    with caplog.at_level("WARNING", logger="fedaval"):
+        data = load_dataset("imagefolder", cifar10_root)
+    assert len(data.train_x) == 300
+    assert any("cannot cache the decoded images" in r.getMessage() for r in caplog.records)
+
+
 def test_missing_torchvision_dataset_says_how_to_get_it(tmp_path):
     with pytest.raises(FedavalUsageError, match="pass --download"):
         load_dataset("cifar10", tmp_path)
