@@ -133,3 +133,18 @@ def test_the_data_free_guess_is_each_labels_mean_test_image():
     guess = label_mean_images(types.SimpleNamespace(data=data), torch.tensor([1, 0]))
     assert guess.shape == (2, 1, 1, 1)
     assert guess.flatten().tolist() == pytest.approx([0.2, 0.5])
+
+
+def test_a_grid_folder_that_cannot_be_made_is_refused_before_training(tiny_config, tmp_path):
+    from fedaval.errors import FedavalUsageError
+
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(FedavalUsageError, match="attack.folder=.* cannot be made"):
+        run_training(
+            tiny_config(
+                plugins=["fedavg", ATTACK],
+                plugin_options={"attack": {**FAST, "folder": str(tmp_path / "a-file")}},
+                out=tmp_path / "run",
+            )
+        )
+    assert not (tmp_path / "run").exists()  # refused while built: no half run left

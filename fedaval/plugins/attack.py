@@ -49,6 +49,7 @@ Readings chosen:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,22 @@ class Attack(Plugin):
         super().__init__(options)
         self.received: dict | None = None
         self.results: list[dict[str, Any]] = []
+
+    @hookimpl
+    def fedaval_setup(self, run):
+        """A grid folder that cannot be made is a one-line error now, not a
+        failure after the first attacked round."""
+        if not self.options.folder:
+            return
+        from fedaval.errors import FedavalUsageError
+
+        folder = Path(self.options.folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FedavalUsageError(f"attack.folder={self.options.folder!r} cannot be made ({exc.strerror})") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise FedavalUsageError(f"attack.folder={self.options.folder!r} is not writable")
 
     def due(self, round: int) -> bool:
         if self.options.rounds:
