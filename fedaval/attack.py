@@ -15,6 +15,7 @@ checkpoints you want to attack with ``fedaval train --keep-checkpoints N``.
 from __future__ import annotations
 
 import json
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,10 @@ def _replay(run, run_dir: Path, round: int, clients: list[int] | None) -> dict[s
                 f"--round {round} needs the checkpoint of round {round - 1}, which {run_dir} does not have "
                 f"(kept: {', '.join(map(str, kept)) or 'none'}; train with --keep-checkpoints to keep more)"
             )
-        checkpoint.restore(run, path)
+        try:
+            checkpoint.restore(run, path)
+        except (pickle.UnpicklingError, EOFError, OSError, AttributeError, ImportError) as exc:
+            raise FedavalUsageError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
     missing = sorted(set(clients or []) - set(run.schedule[round - 1]))
     if missing:
         raise FedavalUsageError(

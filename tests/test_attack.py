@@ -4,6 +4,7 @@ run: the attack measures without changing the run."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -119,6 +120,16 @@ def test_fedaval_attack_replays_a_round_of_a_finished_run(tiny_config, tmp_path)
     assert (out / "results.json").read_text() == before  # the run folder's results are untouched
     bad = CliRunner().invoke(cli, ["attack", str(out), "--round", "9"])
     assert bad.exit_code == 2 and "round" in bad.output
+    # a privacy/ that is a file and a truncated checkpoint: one-line errors, not tracebacks
+    shutil.move(out / "privacy", tmp_path / "grids")
+    (out / "privacy").write_text("x")
+    bad = CliRunner().invoke(cli, ["attack", str(out), "--round", "2", "--iterations", "2"])
+    assert bad.exit_code == 2 and "cannot be made" in bad.output and "Traceback" not in bad.output
+    (out / "privacy").unlink()
+    with open(out / "checkpoints" / "round-000001.ckpt", "r+b") as fh:
+        fh.truncate(100)
+    bad = CliRunner().invoke(cli, ["attack", str(out), "--round", "2", "--iterations", "2"])
+    assert bad.exit_code == 2 and "cannot be read" in bad.output and "Traceback" not in bad.output
 
 
 def test_the_data_free_guess_is_each_labels_mean_test_image():
