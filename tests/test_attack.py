@@ -4,6 +4,7 @@ run: the attack measures without changing the run."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -159,3 +160,15 @@ def test_a_grid_folder_that_cannot_be_made_is_refused_before_training(tiny_confi
             )
         )
     assert not (tmp_path / "run").exists()  # refused while built: no half run left
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"ids": "9"}, "bad value attack.ids=[9]; the run's are 0..1"), ({"rounds": "99"}, "attack.rounds=[99]")],
+)
+def test_clients_or_rounds_the_run_does_not_have_are_refused(tiny_config, tmp_path, options, message):
+    """Out of range, nothing was attacked and nothing said."""
+    from fedaval.errors import FedavalUsageError
+
+    with pytest.raises(FedavalUsageError, match=re.escape(message)):
+        run_training(tiny_config(plugins=["fedavg", ATTACK], plugin_options={"attack": options}, out=tmp_path / "r"))

@@ -97,6 +97,9 @@ def test_generic_path_options_are_typed_from_the_constructor():
         ),
         ("avalanche:LFLPlugin", {}, "bad value avalanche.lambda_e=(required); required by the Avalanche"),
         ("avalanche:NoSuchPlugin", {}, "unknown Avalanche plugin 'NoSuchPlugin'; allowed: AGEMPlugin,"),
+        # accepted until session 34, failing in round 2 or running with a meaningless decay
+        ("fedreplay", {"batch_size_mem": "-1"}, "bad value fedreplay.batch_size_mem=-1; must be >= 1"),
+        ("fedewc", {"mode": "online", "decay_factor": "-1"}, "bad value fedewc.decay_factor=-1.0; must be in [0, 1]"),
     ],
 )
 def test_generic_path_errors_are_one_line(spec, values, message):

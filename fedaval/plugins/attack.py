@@ -88,12 +88,23 @@ class Attack(Plugin):
 
     @hookimpl
     def fedaval_setup(self, run):
-        """A grid folder that cannot be made is a one-line error now, not a
-        failure after the first attacked round."""
-        if not self.options.folder:
-            return
+        """A grid folder that cannot be made, and clients or rounds the run
+        does not have (nothing would be attacked, silently), are one-line
+        errors now, not a failure after the first attacked round."""
         from fedaval.errors import FedavalUsageError
 
+        known = {
+            "ids": (self.options.ids, range(len(run.partition.clients))),
+            "rounds": (self.options.rounds, range(1, len(run.schedule) + 1)),
+        }
+        for name, (values, allowed) in known.items():
+            wrong = [v for v in values if v not in allowed]
+            if wrong:
+                raise FedavalUsageError(
+                    f"bad value attack.{name}={wrong}; the run's are {allowed.start}..{allowed[-1]}"
+                )
+        if not self.options.folder:
+            return
         folder = Path(self.options.folder)
         try:
             folder.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -112,7 +112,11 @@ class FedEWC(AvalancheBridge):
     class Options:
         ewc_lambda: float = option(1.0, "weight of the EWC penalty", non_negative)
         mode: Literal["separate", "online"] = option("separate", "one penalty per past task, or one decayed penalty")
-        decay_factor: float | None = option(None, "importance decay, required by mode=online")
+        decay_factor: float | None = option(
+            None,
+            "importance decay in [0, 1], required by mode=online",
+            lambda v: None if v is None else unit_interval(v),
+        )
 
     def __init__(self, options: Any = None):
         super().__init__(options)
@@ -155,7 +159,9 @@ class FedReplay(AvalancheBridge):
     @dataclasses.dataclass
     class Options:
         mem_size: int = option(500, "exemplars kept per client (FedProK's paper: 500)", positive)
-        batch_size_mem: int | None = option(None, "memory minibatch size (None: Avalanche's default)")
+        batch_size_mem: int | None = option(
+            None, "memory minibatch size (None: Avalanche's default)", lambda v: None if v is None else at_least_one(v)
+        )
         task_balanced_dataloader: bool = option(False, "balance memory minibatches over past tasks")
 
 
