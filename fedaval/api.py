@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,10 @@ def run_training(
     try:
         atomic_write_json(out_dir / "config.json", config.to_dict())
     except OSError as exc:
-        raise RunFailure(f"cannot write {out_dir / 'config.json'} ({exc.strerror}); nothing was trained") from None
+        from fedaval.coordinator import DiskFull
+
+        failure = DiskFull if exc.errno in (errno.ENOSPC, errno.EDQUOT) else RunFailure
+        raise failure(f"cannot write {out_dir / 'config.json'} ({exc.strerror}); nothing was trained") from None
     results = _train(run, None, show_progress, time_limit)
     if echo is not None:
         echo(format_summary(results, out_dir))

@@ -565,6 +565,8 @@ def _mark_stopped(run: Run, results: dict[str, Any], state: str) -> None:
 class DiskFull(RunFailure):
     """No space left (or quota reached) while writing the run folder."""
 
+    exit_code = 2
+
 
 def _write(run: Run, write: Callable[[], Any]) -> None:
     """Do one write of the run folder; a full disk (or quota) is a
@@ -579,11 +581,15 @@ def _write(run: Run, write: Callable[[], Any]) -> None:
         except OSError:
             pass
         latest = checkpoint.saved(run.out_dir) if run.out_dir is not None else []
-        kept = f"checkpoint of round {latest[0][0]}" if latest else "no checkpoint"
+        then = (
+            f"the last good results.json and the checkpoint of round {latest[0][0]} are kept; free some space, "
+            f"then continue with: fedaval train --resume {run.out_dir}"
+            if latest
+            else f"no checkpoint was saved yet, so the run cannot be resumed: free some space, remove {run.out_dir} "
+            "(or give another --out) and start it again"
+        )
         raise DiskFull(
-            f"no space left on the device of {run.out_dir} after round {run.round} ({exc.strerror}); "
-            f"the last good results.json and {kept} are kept; free some space, then continue with: "
-            f"fedaval train --resume {run.out_dir}"
+            f"no space left on the device of {run.out_dir} after round {run.round} ({exc.strerror}); {then}"
         ) from None
 
 

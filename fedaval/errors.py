@@ -8,8 +8,11 @@ class FedavalUsageError(Exception):
 class RunFailure(Exception):
     """A run stopped by a failure it cannot go on from (a failing client under
     ``--on-client-failure fail``, every sampled client failing, a non-finite
-    global model). The CLI prints the message on one line and exits 1; the
-    results and checkpoints written so far stay."""
+    global model). The CLI prints the message on one line and exits with
+    ``exit_code`` (1; 2 for a full disk, bad input in the standard's sense);
+    the results and checkpoints written so far stay."""
+
+    exit_code = 1
 
 
 class RunInterrupted(Exception):

@@ -148,7 +148,7 @@ def test_full_disk_stops_with_one_line_keeps_the_last_good_files_and_resumes(tmp
         monkeypatch.setattr(checkpoint, "_ForkedWriter", lambda *args: forks.append(1) or forked_writer(*args))
     # the checkpoint of round 2 fails, half written: round 1's results.json and checkpoint stay
     _full_disk_on(monkeypatch, fedaval.state, "dump", after=1)
-    line = one_line_error(["train", "--out", str(out), *TINY], code=1)
+    line = one_line_error(["train", "--out", str(out), *TINY], code=2)
     # in the process, round 2's checkpoint fails at once; a forked child's failure is seen by
     # round 2's rewrite of results.json if the child has ended by then, else by round 3's checkpoint
     done = results_of(out)["status"]["rounds_done"]
@@ -187,7 +187,7 @@ def test_full_disk_writing_results_json_is_one_line(tmp_path, monkeypatch):
 
     out = tmp_path / "run"
     _full_disk_on(monkeypatch, fedaval.coordinator, "atomic_write_json", after=1)
-    line = one_line_error(["train", "--out", str(out), *TINY], code=1)
+    line = one_line_error(["train", "--out", str(out), *TINY], code=2)
     assert "no space left" in line and f"--resume {out}" in line
     assert results_of(out)["status"]["rounds_done"] == 1, "the last good results.json stays"
 
@@ -196,8 +196,17 @@ def test_full_disk_before_the_first_round_is_one_line(tmp_path, monkeypatch):
     import fedaval.atomic
 
     _full_disk_on(monkeypatch, fedaval.atomic, "atomic_write_json", after=0)
-    line = one_line_error(["train", "--out", str(tmp_path / "run"), *TINY], code=1)
+    line = one_line_error(["train", "--out", str(tmp_path / "run"), *TINY], code=2)
     assert "config.json (No space left on device); nothing was trained" in line
+
+
+def test_a_full_disk_before_the_first_checkpoint_does_not_point_to_resume(tmp_path, monkeypatch):
+    """Nothing to resume from: the line says to start again, not ``--resume``."""
+    import fedaval.state
+
+    _full_disk_on(monkeypatch, fedaval.state, "dump", after=0)
+    line = one_line_error(["train", "--out", str(tmp_path / "run"), *TINY], code=2)
+    assert "no checkpoint was saved yet, so the run cannot be resumed" in line and "--resume" not in line
 
 
 class InterruptSetUp:

@@ -65,7 +65,7 @@ class FedavalGroup(click.Group):
             ctx.exit(2)
         except RunFailure as exc:
             click.echo(f"fedaval: run stopped: {exc}", err=True)
-            ctx.exit(1)
+            ctx.exit(exc.exit_code)
         except RunInterrupted as exc:
             click.echo(f"fedaval: {exc}", err=True)
             ctx.exit(130)
