@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,9 +44,9 @@ def run_training(
     try:
         atomic_write_json(out_dir / "config.json", config.to_dict())
     except OSError as exc:
-        from fedaval.coordinator import DiskFull
+        from fedaval.coordinator import NO_ROOM, DiskFull
 
-        failure = DiskFull if exc.errno in (errno.ENOSPC, errno.EDQUOT) else RunFailure
+        failure = DiskFull if exc.errno in NO_ROOM else RunFailure
         raise failure(f"cannot write {out_dir / 'config.json'} ({exc.strerror}); nothing was trained") from None
     results = _train(run, None, show_progress, time_limit)
     if echo is not None:

@@ -563,9 +563,13 @@ def _mark_stopped(run: Run, results: dict[str, Any], state: str) -> None:
 
 
 class DiskFull(RunFailure):
-    """No space left (or quota reached) while writing the run folder."""
+    """No space left (or quota reached, or a file-size limit hit) while writing the run folder."""
 
     exit_code = 2
+
+
+#: The write errors that mean "no room": space, quota, a file-size limit (``ulimit -f``).
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _write(run: Run, write: Callable[[], Any]) -> None:
@@ -574,7 +578,7 @@ def _write(run: Run, write: Callable[[], Any]) -> None:
     try:
         write()
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno not in NO_ROOM:
             raise
         try:
             checkpoint.wait(run)  # the checkpoint being written in the background, if any

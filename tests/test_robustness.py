@@ -121,15 +121,15 @@ def test_the_time_limit_keeps_room_for_the_longest_round_and_the_checkpoint():
     assert TimeLimit(seconds=4.0, start=time.monotonic()).reached(rounds, checkpoint_wait=0.0)
 
 
-def _full_disk_on(monkeypatch, module, name, after: int):
-    """Make ``module.name`` raise ENOSPC from its call number ``after + 1`` on."""
+def _full_disk_on(monkeypatch, module, name, after: int, code: int = errno.ENOSPC):
+    """Make ``module.name`` raise ENOSPC (or ``code``) from its call number ``after + 1`` on."""
     real = getattr(module, name)
     calls = []
 
     def write(*args, **kwargs):
         calls.append(1)
         if len(calls) > after:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(code, os.strerror(code))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, write)
@@ -207,6 +207,15 @@ def test_a_full_disk_before_the_first_checkpoint_does_not_point_to_resume(tmp_pa
     _full_disk_on(monkeypatch, fedaval.state, "dump", after=0)
     line = one_line_error(["train", "--out", str(tmp_path / "run"), *TINY], code=2)
     assert "no checkpoint was saved yet, so the run cannot be resumed" in line and "--resume" not in line
+
+
+def test_a_file_size_limit_stops_the_run_like_a_full_disk(tmp_path, monkeypatch):
+    """``ulimit -f`` (EFBIG) while a checkpoint is written: one line, not a traceback."""
+    import fedaval.state
+
+    _full_disk_on(monkeypatch, fedaval.state, "dump", after=1, code=errno.EFBIG)
+    line = one_line_error(["train", "--out", str(tmp_path / "run"), *TINY], code=2)
+    assert "File too large" in line and "checkpoint of round 1 are kept" in line
 
 
 class InterruptSetUp:
