@@ -94,7 +94,17 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
         for k, tasks in enumerate(run.partition.clients):
             run.clients.append(Client(run, k, tasks, run.model(k).to(run.device)))
             cuda_graphs.check_step_plugins(config, run.clients[-1].strategy)
-            offload.offload(run, run.clients[-1])  # per --offload-clients, before the next one is built
+            try:
+                offload.offload(run, run.clients[-1])  # per --offload-clients, before the next one is built
+            except OSError as exc:
+                from fedaval.coordinator import NO_ROOM
+
+                if exc.errno not in NO_ROOM:
+                    raise
+                raise FedavalUsageError(
+                    f"--offload-clients {config.offload_clients}: no room to offload client {k} ({exc.strerror}); "
+                    "nothing was trained"
+                ) from None
     return run
 
 

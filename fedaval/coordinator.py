@@ -145,7 +145,7 @@ def run_round(run: Run, round: int, backend: Backend | None = None) -> dict[str,
     if task_end or round % run.config.eval_every == 0 or round == run.total_rounds:
         record.update(evaluate(run, round))
         record["plugin_metrics"] = plugin_round_metrics(run, round)
-    offload_idle(run, round)
+    _write(run, lambda: offload_idle(run, round))  # --offload-clients disk writes into the run folder
     record["seconds_local"] = seconds_local
     record["seconds_fusion"] = seconds_fusion
     record["seconds_computation"] = seconds_local + seconds_fusion
@@ -501,6 +501,8 @@ def _train_rounds(
                 run.hook.fedaval_server_task_start(run=run, task=task)
             try:
                 record = run_round(run, round, backend)
+            except DiskFull:
+                raise  # its message already says what is kept and how to go on
             except RunFailure as exc:
                 raise RunFailure(f"{exc}{resume_hint(run)}") from exc
             if "mean_client_accuracy" in record:  # evaluated: forgetting and BWT so far

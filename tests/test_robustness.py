@@ -209,6 +209,21 @@ def test_a_full_disk_before_the_first_checkpoint_does_not_point_to_resume(tmp_pa
     assert "no checkpoint was saved yet, so the run cannot be resumed" in line and "--resume" not in line
 
 
+def test_a_full_disk_while_clients_are_offloaded_to_disk_is_one_line(tmp_path, monkeypatch):
+    """``--offload-clients disk`` writes into the run folder after each round (a traceback before)."""
+    import fedaval.client
+
+    out = tmp_path / "run"
+    args = ["--clients-per-round", "1", "--offload-clients", "disk"]
+    _full_disk_on(monkeypatch, fedaval.client, "atomic_file", after=0)  # the first offload, as the run is built
+    line = one_line_error(["train", "--out", str(tmp_path / "built"), *TINY, *args], code=2)
+    assert "--offload-clients disk: no room to offload client 0" in line and "nothing was trained" in line
+    monkeypatch.undo()
+    _full_disk_on(monkeypatch, fedaval.client, "atomic_file", after=2)  # 2 clients offloaded when built, then a round
+    line = one_line_error(["train", "--out", str(out), *TINY, *args], code=2)
+    assert "no space left on the device" in line
+
+
 def test_a_file_size_limit_stops_the_run_like_a_full_disk(tmp_path, monkeypatch):
     """``ulimit -f`` (EFBIG) while a checkpoint is written: one line, not a traceback."""
     import fedaval.state
