@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedaval.config import RunConfig
-from fedaval.errors import FedavalUsageError, RunFailure
+from fedaval.errors import NO_ROOM, DiskFull, FedavalUsageError, RunFailure
 
 if TYPE_CHECKING:
     from fedaval.coordinator import TimeLimit
@@ -44,8 +44,6 @@ def run_training(
     try:
         atomic_write_json(out_dir / "config.json", config.to_dict())
     except OSError as exc:
-        from fedaval.coordinator import NO_ROOM, DiskFull
-
         failure = DiskFull if exc.errno in NO_ROOM else RunFailure
         raise failure(f"cannot write {out_dir / 'config.json'} ({exc.strerror}); nothing was trained") from None
     results = _train(run, None, show_progress, time_limit)

@@ -22,7 +22,7 @@ from fedaval import core, cuda_graphs, cuda_streams, host_memory, offload, regis
 from fedaval.client import Client
 from fedaval.config import RunConfig
 from fedaval.datasets import load_dataset
-from fedaval.errors import FedavalUsageError
+from fedaval.errors import NO_ROOM, FedavalUsageError
 from fedaval.options import build_options
 from fedaval.plugin_manager import get_plugin_manager, load_plugins
 from fedaval.run import Run
@@ -97,8 +97,6 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
             try:
                 offload.offload(run, run.clients[-1])  # per --offload-clients, before the next one is built
             except OSError as exc:
-                from fedaval.coordinator import NO_ROOM
-
                 if exc.errno not in NO_ROOM:
                     raise
                 raise FedavalUsageError(

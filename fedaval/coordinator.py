@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import time
@@ -13,7 +12,7 @@ from typing import Any
 from fedaval import checkpoint
 from fedaval.atomic import atomic_write_json
 from fedaval.backends.local import Backend, ClientRound, LocalBackend
-from fedaval.errors import FedavalUsageError, RunFailure, RunInterrupted, RunStopped
+from fedaval.errors import NO_ROOM, DiskFull, FedavalUsageError, RunFailure, RunInterrupted, RunStopped
 from fedaval.evaluation import (
     STREAM_ACC,
     STREAM_BWT,
@@ -562,16 +561,6 @@ def _mark_stopped(run: Run, results: dict[str, Any], state: str) -> None:
             atomic_write_json(target, results)
         except OSError:
             pass
-
-
-class DiskFull(RunFailure):
-    """No space left (or quota reached, or a file-size limit hit) while writing the run folder."""
-
-    exit_code = 2
-
-
-#: The write errors that mean "no room": space, quota, a file-size limit (``ulimit -f``).
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _write(run: Run, write: Callable[[], Any]) -> None:

@@ -1,5 +1,7 @@
 """User-facing errors: one line, naming the bad value and what is allowed."""
 
+import errno
+
 
 class FedavalUsageError(Exception):
     """Bad input from a user. The CLI prints the message on one line and exits 2."""
@@ -32,3 +34,13 @@ def choice_error(what: str, value: object, allowed) -> FedavalUsageError:
     """Build the standard 'unknown X' error listing the allowed values."""
     allowed_text = ", ".join(str(a) for a in allowed) or "(none)"
     return FedavalUsageError(f"unknown {what} {value!r}; allowed: {allowed_text}")
+
+
+class DiskFull(RunFailure):
+    """No space left (or quota reached, or a file-size limit hit) while writing the run folder."""
+
+    exit_code = 2
+
+
+#: The write errors that mean "no room": space, quota, a file-size limit (``ulimit -f``).
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
