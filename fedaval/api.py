@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedaval.config import RunConfig
+from fedaval.config import RunConfig, config_changes
 from fedaval.errors import NO_ROOM, DiskFull, FedavalUsageError, RunFailure
 
 if TYPE_CHECKING:
@@ -223,9 +223,8 @@ def check_unchanged(where: str, settings: dict[str, Any], out_dir: Path) -> None
         return  # no readable results.json: nothing to compare with
     if not isinstance(recorded, dict):
         return
-    changed = sorted(k for k in set(settings) | set(recorded) if k != "out" and settings.get(k) != recorded.get(k))
-    if changed:
-        shown = ", ".join(f"{k} {recorded.get(k)!r} -> {settings.get(k)!r}" for k in changed[:3])
+    shown = config_changes(recorded, settings)
+    if shown:
         raise FedavalUsageError(
             f"{where}: config.json differs from the configuration the run was started with ({shown}); "
             "--resume continues a run as it was started: put config.json back, or start a new run"

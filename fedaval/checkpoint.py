@@ -434,16 +434,13 @@ def check_same_run(run: Run, path: Path, results: dict[str, Any]) -> None:
     another configuration (one copied in from another run folder: a FedProx
     run's state resumed as FedAvg, say); the run folder's place (``out``)
     may differ."""
-    from fedaval.config import RunConfig
+    from fedaval.config import RunConfig, config_changes
 
     recorded = results.get("config") if isinstance(results, dict) else None
     if not isinstance(recorded, dict):
         return
-    written = RunConfig.from_dict(recorded).to_dict()
-    now = run.config.to_dict()
-    changed = sorted(k for k in now if k != "out" and written.get(k) != now.get(k))
-    if changed:
-        shown = ", ".join(f"{k} {written.get(k)!r} -> {now.get(k)!r}" for k in changed[:3])
+    shown = config_changes(RunConfig.from_dict(recorded).to_dict(), run.config.to_dict())
+    if shown:
         raise FedavalUsageError(
             f"{path} was written by a run of another configuration ({shown}); it cannot be resumed here"
         )

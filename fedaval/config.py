@@ -44,6 +44,14 @@ Ba's) learning rate, which FedWeIT's and FedSpace's released code train
 with; momentum is SGD's and does not apply (Adam keeps its own moments)."""
 
 
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """``key old -> new`` for (up to three of) the settings that differ
+    between two configuration dicts, ``out`` (where the run folder is)
+    excepted; ``""`` when they agree."""
+    changed = sorted(k for k in set(before) | set(after) if k != "out" and before.get(k) != after.get(k))
+    return ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed[:3])
+
+
 @dataclass
 class RunConfig:
     """Everything that defines a run. Plugin and scenario options are kept raw
