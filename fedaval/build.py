@@ -79,7 +79,9 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
             f"bad value --clients-per-round {config.clients_per_round}; the scenario has "
             f"{len(run.partition.clients)} clients, so it must be in [0, {len(run.partition.clients)}] (0: all)"
         )
-    run.schedule = make_schedule(run.partition, config.rounds_per_task, config.clients_per_round, rng)
+    run.schedule = make_schedule(
+        run.partition, config.rounds_per_task, config.clients_per_round, rng, config.client_sampling
+    )
 
     if out_dir is not None:
         try:
@@ -146,20 +148,29 @@ def seed_everything(seed: int) -> None:
 
 
 def make_schedule(
-    partition: Partition, rounds_per_task: int, clients_per_round: int, rng: np.random.Generator
+    partition: Partition,
+    rounds_per_task: int,
+    clients_per_round: int,
+    rng: np.random.Generator,
+    sampling: str = "round",
 ) -> list[list[int]]:
     """Clients sampled in each round (index 0 is round 1), drawn up front from
     the seed, so every client knows its first and last round of each task.
 
     In stage ``t`` only clients that have data for task ``t`` are eligible
     (clients whose stream is shorter sit the later stages out);
-    ``clients_per_round`` of them are drawn without replacement (0: all)."""
-    schedule = []
+    ``clients_per_round`` of them are drawn without replacement (0: all),
+    afresh every round (``sampling="round"``, FedAvg's client sampling) or
+    once per task, the same clients in each of its rounds (``"task"``:
+    PFCL's Algorithm 1 selects ``C_t`` before its round loop)."""
+    schedule: list[list[int]] = []
     for task in range(partition.num_tasks):
         eligible = [k for k, c in enumerate(partition.clients) if task < c.num_tasks and len(c.indices[task]) > 0]
-        for _ in range(rounds_per_task):
+        for r in range(rounds_per_task):
             if clients_per_round == 0 or clients_per_round >= len(eligible):
                 chosen = eligible
+            elif sampling == "task" and r > 0:
+                chosen = schedule[-1]
             else:
                 chosen = sorted(int(k) for k in rng.choice(eligible, size=clients_per_round, replace=False))
             schedule.append(list(chosen))

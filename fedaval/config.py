@@ -20,6 +20,7 @@ OPTIMIZER_STATES = ("reset", "keep")
 LR_SCHEDULES = ("constant", "cosine", "exp")
 AUGMENTS = ("auto", "none", "standard")
 CUDA_GRAPH_SCOPES = ("features", "step")  # what --cuda-graphs captures (fedaval.cuda_graphs)
+CLIENT_SAMPLINGS = ("round", "task")  # when --clients-per-round draws its clients (fedaval.build.make_schedule)
 CLIENT_TESTS = ("test", "train")  # how a client's accuracy weighs its classes (fedaval.evaluation.client_accuracy_on)
 PRECISIONS = ("fp32", "bf16")  # local training's forward and loss (fedaval.training.autocast)
 COMPILE_BACKENDS = ("off", "inductor", "aot_eager")  # --compile (fedaval.training.compiled_features)
@@ -68,6 +69,7 @@ class RunConfig:
     rounds_per_task: int = 3
     local_epochs: int | None = None  # None: per dataset (TRAINING_DEFAULTS)
     clients_per_round: int = 0
+    client_sampling: str = "round"
     batch_size: int = 32
     lr: float | None = None  # None: per dataset
     momentum: float | None = None  # None: per dataset
@@ -136,6 +138,12 @@ class RunConfig:
             ("--rounds-per-task", self.rounds_per_task, self.rounds_per_task >= 1, ">= 1"),
             ("--local-epochs", self.local_epochs, self.local_epochs >= 1, ">= 1"),
             ("--clients-per-round", self.clients_per_round, self.clients_per_round >= 0, ">= 0 (0: all)"),
+            (
+                "--client-sampling",
+                self.client_sampling,
+                self.client_sampling in CLIENT_SAMPLINGS,
+                "one of " + ", ".join(CLIENT_SAMPLINGS),
+            ),
             ("--batch-size", self.batch_size, self.batch_size >= 1, ">= 1"),
             ("--lr", self.lr, finite["lr"] and self.lr > 0, "finite and > 0"),
             ("--optimizer", self.optimizer, self.optimizer in OPTIMIZERS, "one of " + ", ".join(OPTIMIZERS)),

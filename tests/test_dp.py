@@ -167,6 +167,23 @@ def test_the_sample_rate_is_the_rounds_scheduled_clients_over_the_stages_eligibl
     assert results["privacy"]["dp"]["epsilon"] > epsilon([(1.0, 2 / 5, len(rates))], 1e-5)  # the old q = 2 / 5
 
 
+def test_per_task_client_sampling_claims_no_amplification(tiny_config, tmp_path):
+    """``--client-sampling task`` trains a task's drawn clients in all its rounds:
+    the rounds are not independently subsampled, so each is accounted at q = 1."""
+    results = run_training(
+        tiny_config(
+            plugins=["fedavg", DP],
+            scenario_options={"clients": 4, "tasks": 2},
+            clients_per_round=2,
+            client_sampling="task",
+            rounds_per_task=2,
+            out=tmp_path / "run",
+        )
+    )
+    assert [tuple(h) for h in results["privacy"]["dp"]["accountant_history"]] == [(1.0, 1.0, 4)]
+    assert results["privacy"]["dp"]["epsilon"] == pytest.approx(epsilon([(1.0, 1.0, 4)], 1e-5))
+
+
 def test_dp_refuses_a_plugin_whose_server_reads_client_data_outside_the_uploads(tiny_config):
     from fedaval.build import build_run
 

@@ -180,6 +180,33 @@ def test_fedaval_client_task_start_is_each_clients_first_sampled_round_of_a_task
         assert (round - 1) // 4 == task
 
 
+@pytest.mark.parametrize("sampling", ["round", "task"])
+def test_client_sampling_draws_clients_every_round_or_once_per_task(tiny_config, sampling):
+    """``--client-sampling task`` trains the same drawn clients in each round of
+    a task (PFCL's Algorithm 1); ``round`` draws afresh, and the seed gives
+    this scenario a round whose draw differs from its task's first."""
+    results = run_training(
+        tiny_config(
+            rounds_per_task=4,
+            clients_per_round=2,
+            client_sampling=sampling,
+            scenario_options={"clients": 5, "tasks": 2},
+        )
+    )
+    drawn = [r["clients"] for r in results["rounds"]]
+    assert all(len(c) == 2 for c in drawn)
+    per_task = [drawn[t * 4 : (t + 1) * 4] for t in range(2)]
+    same = all(rounds == [rounds[0]] * 4 for rounds in per_task)
+    assert same == (sampling == "task")
+
+
+def test_a_bad_client_sampling_is_a_one_line_error(tiny_config):
+    from fedaval.errors import FedavalUsageError
+
+    with pytest.raises(FedavalUsageError, match=r"bad value --client-sampling stage; must be one of round, task"):
+        run_training(tiny_config(client_sampling="stage"))
+
+
 class SkipsClientOne:
     """Replaces local training for client 1 (a firstresult override)."""
 

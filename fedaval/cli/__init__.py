@@ -152,6 +152,13 @@ def cli() -> None:
     "--local-epochs", default=None, type=int, help="Local epochs per round. Default: 2 on digits, 1 elsewhere."
 )
 @click.option("--clients-per-round", default=0, show_default=True, type=int, help="Clients sampled per round (0: all).")
+@click.option(
+    "--client-sampling",
+    default="round",
+    show_default=True,
+    help="When --clients-per-round draws its clients: round, afresh every round; task, once per task, the "
+    "same clients in each of its rounds (PFCL's Algorithm 1).",
+)
 @click.option("--batch-size", default=32, show_default=True, type=int, help="Minibatch size of local training.")
 @click.option(
     "--optimizer",

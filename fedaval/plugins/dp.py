@@ -31,6 +31,9 @@ Readings chosen (the issue leaves them open):
 2. *Sampling*: Opacus's accountant assumes Poisson sampling of clients at
    rate ``q``; fedaval samples a fixed number per round. The same
    approximation is made by TensorFlow Federated's DP-FedAvg tutorials.
+   With ``--client-sampling task`` a task's rounds all train the clients
+   drawn at its start, so its rounds are not independently subsampled and
+   no amplification is claimed: every round is accounted at ``q = 1``.
 3. *One joint vector*: weights update and prototypes share one clip norm
    (so the mechanism's sensitivity is ``clip`` whatever the method uploads).
 4. *What is not protected*: integer payloads (FedProK's per-class sample
@@ -135,7 +138,7 @@ class DP(Plugin):
         from fedaval.plugins.dp_math import epsilon, sample_rate
 
         eligible = sum(1 for client in run.clients if client.has_task(run.now.task))
-        q = sample_rate(len(run.schedule[round - 1]), eligible)
+        q = sample_rate(len(run.schedule[round - 1]), eligible) if run.config.client_sampling == "round" else 1.0
         z = self.options.noise
         if self.history and self.history[-1][0] == z and self.history[-1][1] == q:
             self.history[-1][2] += 1
