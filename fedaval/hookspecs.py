@@ -291,6 +291,24 @@ def fedaval_client_upload(run: Run, client: Client) -> dict[str, Any] | None:
     these tensors. FedAvg contributes ``"weights"`` (the shared keys)."""
 
 
+@hookspec
+def fedaval_client_upload_reference(
+    run: Run, client: Client, upload: dict[str, Any], download: dict[str, Any]
+) -> dict[str, Any] | None:
+    """For upload entries whose floating-point values are *absolute* values of
+    state the client received this round (weights a method sends its own way,
+    not through ``"weights"``), the values it received, in the entry's
+    structure: ``{entry: reference}``, each floating-point tensor of
+    ``reference`` the shape of the one at the same place in ``upload[entry]``
+    (integer parts, such as the indices of sparse rows, are not read).
+    ``download`` is what the client received. A privacy plugin (``dp``) then
+    clips and noises the client's update, value minus reference, and adds
+    the reference back, as it does for ``"weights"``; an entry without a
+    reference is privatised as it is (a prototype, a class statistic).
+    Called only by plugins that need it, after ``fedaval_client_upload``;
+    FedWeIT answers for its sparse base."""
+
+
 # ---------------------------------------------------------------------------
 # server fusion: once per round, on the server
 # ---------------------------------------------------------------------------

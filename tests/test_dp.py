@@ -241,3 +241,41 @@ def test_a_delta_not_below_one_over_the_clients_is_warned_about(tiny_config, cap
     with caplog.at_level("WARNING", logger="fedaval"):
         build_run(tiny_config(plugins=["fedavg", DP]))
     assert not any("dp.delta" in r.getMessage() for r in caplog.records)
+
+
+def test_an_entry_with_a_reference_is_privatised_as_its_change_from_it():
+    """FedWeIT's sparse base is sent as values: clipped whole, a base of norm
+    10 became one of norm 1. With its reference (the received rows) the
+    clip and the noise act on the client's change, as for ``weights``."""
+    units = torch.tensor([0, 2], dtype=torch.int32)
+    received = torch.full((2, 3), 4.0)
+    upload = {"fedweit_base": {"fc": (units, received + 0.1)}}
+    options = DPOptions(clip=1.0, noise=0.0)
+    [as_values] = privatise([upload], {}, options, set())
+    assert as_values["fedweit_base"]["fc"][1].norm() == pytest.approx(1.0)  # the base itself was clipped
+    references = {"fedweit_base": {"fc": (units, received)}}
+    [as_change] = privatise([upload], {}, options, set(), references=references)
+    assert torch.equal(as_change["fedweit_base"]["fc"][0], units)
+    assert torch.allclose(as_change["fedweit_base"]["fc"][1], received + 0.1)  # a change of norm 0.24 < clip
+    torch.manual_seed(0)
+    [noisy] = privatise([upload], {}, DPOptions(clip=1.0, noise=0.01), set(), references=references)
+    assert (noisy["fedweit_base"]["fc"][1] - (received + 0.1)).abs().max() < 0.1  # noise on the change only
+    with pytest.raises(ValueError, match="reference of 'fedweit_base' does not match"):
+        privatise([upload], {}, options, set(), references={"fedweit_base": {"fc": (units, received[:1])}})
+
+
+def test_fedweit_under_dp_clips_its_base_update_not_its_base(tiny_config, tmp_path):
+    """Clipping alone (no noise) at a clip above the updates' norms (1) leaves a
+    FedWeIT run as it is without dp; before FedWeIT answered
+    ``fedaval_client_upload_reference`` its whole base was cut to norm 1."""
+    settings = dict(scenario_options={"clients": 2, "tasks": 2}, rounds_per_task=2)
+    plain = run_training(tiny_config(plugins=["fedweit"], out=tmp_path / "plain", **settings))
+    clipped = run_training(
+        tiny_config(
+            plugins=["fedweit", DP],
+            plugin_options={"dp": {"noise": "0", "clip": "1"}},
+            out=tmp_path / "dp",
+            **settings,
+        )
+    )
+    assert [r["client_accuracy"] for r in plain["rounds"]] == [r["client_accuracy"] for r in clipped["rounds"]]

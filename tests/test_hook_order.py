@@ -46,6 +46,10 @@ class Recorder:
         return None  # asked by plugins that protect uploads (dp), not by the core
 
     @hookimpl
+    def fedaval_client_upload_reference(self, run, client, upload, download):
+        return None  # asked by plugins that privatise uploads (dp), not by the core
+
+    @hookimpl
     def fedaval_make_model(self, run, client_id):
         self._add(f"make_model({client_id})")
 

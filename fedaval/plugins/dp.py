@@ -62,6 +62,7 @@ from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
 RECEIVED = StashKey[dict]("dp.received")  # the shared weights the client received this round
+DOWNLOAD = StashKey[dict]("dp.download")  # what it received, for fedaval_client_upload_reference
 
 
 def _open_unit(value: float) -> str | None:
@@ -82,7 +83,8 @@ class DP(Plugin):
     """Clip + Gaussian noise on every upload, RDP accounting on the server.
 
     State: in each client's stash ``RECEIVED`` (the round's received shared
-    weights, dropped once the upload is made); on the plugin (server),
+    weights) and ``DOWNLOAD`` (the round's download), both dropped once the
+    upload is made; on the plugin (server),
     ``history`` the accountant's ``[noise multiplier, sample rate, rounds]``
     and ``epsilons`` the epsilon after each round."""
 
@@ -122,6 +124,7 @@ class DP(Plugin):
     @hookimpl
     def fedaval_client_receive(self, run, client, download):
         client.stash[RECEIVED] = client.shared_state()
+        client.stash[DOWNLOAD] = download  # the round's tensors, shared by its clients: no copy
 
     @hookimpl(wrapper=True)
     def fedaval_client_upload(self, run, client):
@@ -129,8 +132,15 @@ class DP(Plugin):
         list of their results and returns it transformed)."""
         results = yield
         received = client.stash.pop(RECEIVED, None) or {}
+        download = client.stash.pop(DOWNLOAD, None) or {}
         frozen = {name for name, p in client.model.named_parameters() if not p.requires_grad and name in received}
-        return privatise(results, received, self.options, buffer_keys(client.model, received), frozen)
+        upload = {key: value for result in results if result for key, value in result.items()}
+        references: dict = {}
+        for answer in run.hook.fedaval_client_upload_reference(
+            run=run, client=client, upload=upload, download=download
+        ):
+            references.update(answer or {})
+        return privatise(results, received, self.options, buffer_keys(client.model, received), frozen, references)
 
     # --- server -------------------------------------------------------------
     @hookimpl
@@ -185,6 +195,7 @@ def privatise(
     options: DPOptions,
     buffers: set[str],
     frozen: frozenset[str] | set[str] = frozenset(),
+    references: dict | None = None,
 ) -> list:
     """Reading 1-4 of the module docstring on the plugins' upload results
     (``[{entry: payload}, ...]``): the ``"weights"`` entry becomes
@@ -194,17 +205,23 @@ def privatise(
     exactly the received one is sent as received, unnoised: its update is 0
     whatever the client's data, so leaving it out of the vector costs no
     privacy (it adds 0 to the norm), and noising it only wrecked a weight
-    no one trains (until session 34)."""
+    no one trains (until session 34). An entry with a ``references`` payload
+    (``fedaval_client_upload_reference``: absolute values of received state,
+    FedWeIT's sparse base) is privatised as its difference from the
+    reference, which is added back after the noise."""
     import torch
 
     from fedaval.plugins.dp_math import clip_and_noise, float_tensors, replace_float_tensors
 
+    references = references or {}
     prepared = []
     for result in results:
         if not result:
             prepared.append(result)
             continue
         entries = dict(result)
+        for key in entries.keys() & references.keys():
+            entries[key] = shifted(entries[key], references[key], -1, key)
         weights = entries.get("weights")
         if weights:
             kept = {k: v for k, v in weights.items() if k in buffers}
@@ -230,6 +247,8 @@ def privatise(
         kept = entries.pop("__dp_buffers__", None)
         still = entries.pop("__dp_frozen__", {})
         entries = {key: replace_float_tensors(value, stream) for key, value in entries.items()}
+        for key in entries.keys() & references.keys():
+            entries[key] = shifted(entries[key], references[key], 1, key)
         if kept is not None:
             weights = {k: (v + received[k].to(v.device)) if k in received else v for k, v in entries["weights"].items()}
             weights.update(still)
@@ -238,3 +257,14 @@ def privatise(
             entries["weights"] = weights
         out.append(entries)
     return out
+
+
+def shifted(payload, reference, sign: int, entry: str):
+    """``payload`` with ``sign x`` each floating-point tensor of ``reference``
+    added to the one at the same place (:func:`float_tensors` order)."""
+    from fedaval.plugins.dp_math import float_tensors, replace_float_tensors
+
+    values, refs = list(float_tensors(payload)), list(float_tensors(reference))
+    if len(values) != len(refs) or any(v.shape != r.shape for v, r in zip(values, refs)):
+        raise ValueError(f"fedaval_client_upload_reference: the reference of {entry!r} does not match its payload")
+    return replace_float_tensors(payload, iter(v + sign * r.to(v.device, v.dtype) for v, r in zip(values, refs)))

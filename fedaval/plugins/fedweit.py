@@ -249,6 +249,22 @@ class FedWeIT(Plugin):
         return out
 
     @hookimpl
+    def fedaval_client_upload_reference(self, run, client, upload, download):
+        """The received base's rows of the units sent: the base is uploaded as
+        values, so ``dp`` privatises the client's change of it."""
+        import torch
+
+        base, received = upload.get("fedweit_base"), download.get("fedweit_base")
+        if not base or not received:
+            return None
+        return {
+            "fedweit_base": {
+                name: (units, received[name].to(rows.device)[units.to(torch.int64).to(rows.device)])
+                for name, (units, rows) in base.items()
+            }
+        }
+
+    @hookimpl
     def fedaval_server_fuse(self, run, uploads, round):
         from fedaval.plugins.fedweit_math import fuse_sparse, unit_entries
 
