@@ -228,6 +228,9 @@ class RunConfig:
                 f"in (0, --lr {self.lr}] for --lr-schedule {self.lr_schedule}",
             ),
         ]
+        if self.backend != "ray":  # read by the Ray backend only (fedaval.backends.ray_backend)
+            checks.append(("--client-gpus", self.client_gpus, self.client_gpus == 0, "0 without --backend ray"))
+            checks.append(("--ray-address", self.ray_address, self.ray_address is None, "unset without --backend ray"))
         for flag, value, ok, allowed in checks:
             if not ok:
                 raise FedavalUsageError(f"bad value {flag} {value}; must be {allowed}")

@@ -108,6 +108,10 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
         (["--out", ""], "--out '' names no folder"),
         (["--out", "/proc/fedaval-x"], "--out '/proc/fedaval-x'"),  # made by no one: a one-line error, not OSError
         (["--out", "/tmp/" + "a" * 300], "cannot be used (File name too long)"),
+        (["--data-root", "/tmp"], "--data-root '/tmp' is not read by the dataset digits"),  # was ignored
+        (["--client-gpus", "0.5"], "bad value --client-gpus 0.5; must be 0 without --backend ray"),  # was ignored
+        (["--ray-address", "auto"], "bad value --ray-address auto; must be unset without --backend ray"),
+        (["--client-sampling", "stage"], "bad value --client-sampling stage; must be one of round, task"),
     ],
 )
 def test_bad_input_is_a_one_line_error_with_status_2(tmp_path, args, expected):

@@ -88,6 +88,16 @@ def test_a_model_without_batchnorm_is_a_one_line_error(tmp_path):
     assert "BatchNorm" in line and "--model cnn" in line
 
 
+@pytest.mark.parametrize(
+    "synthesis, option", [("code", "adv_weight=0.5"), ("code", "lr_student=0.1"), ("paper", "lr_noise=0.1")]
+)
+def test_an_option_the_chosen_synthesis_does_not_read_is_a_one_line_error(tmp_path, synthesis, option):
+    args = ["train", "--plugins", TARGET, "--model", "cnn", "--out", str(tmp_path / "r")]
+    line = one_line_error([*args, "-o", f"target.synthesis={synthesis}", "-o", f"target.{option}"])
+    other = "paper" if synthesis == "code" else "code"
+    assert f"target.{option.split('=')[0]} applies to target.synthesis={other} only" in line
+
+
 def test_the_distillation_weight_is_targets_code_by_default():
     from fedaval.plugins.target import TargetOptions
 

@@ -99,7 +99,7 @@ from typing import Any, Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import at_least_one, non_negative, option, positive, unit_interval
+from fedaval.options import at_least_one, changed, non_negative, option, positive, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -143,6 +143,10 @@ class TargetOptions:
     lr_student: float = option(1e-2, "student SGD learning rate (adversarial term, synthesis=paper)", positive)
     adv_weight: float = option(1.0, "weight of the adversarial (diversity) loss (synthesis=paper)", non_negative)
 
+
+#: options one synthesis reads and the other does not (a one-line error when set for the other)
+PAPER_ONLY = ("lr_student", "adv_weight")
+CODE_ONLY = ("generator_batch", "lr_noise", "ce_weight", "bn_momentum")
 
 #: ``synthesis=paper``'s defaults until session 27, when the options' defaults became the code's
 PAPER_DEFAULTS: dict[str, Any] = {
@@ -244,6 +248,14 @@ class Target(Plugin):
         import torch
         from torch import nn
 
+        o = self.options
+        unused = changed(o, PAPER_ONLY if o.synthesis == "code" else CODE_ONLY)
+        if unused:
+            other = "paper" if o.synthesis == "code" else "code"
+            raise FedavalUsageError(
+                f"target.{unused[0]} applies to target.synthesis={other} only, but target.synthesis={o.synthesis}; "
+                f"drop it or set -o target.synthesis={other}"
+            )
         with torch.random.fork_rng(devices=[]):  # the run's models start as they would without TARGET
             model = run.model(None)
         if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
