@@ -79,6 +79,7 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
             f"bad value --clients-per-round {config.clients_per_round}; the scenario has "
             f"{len(run.partition.clients)} clients, so it must be in [0, {len(run.partition.clients)}] (0: all)"
         )
+    warn_empty_clients(run.partition, config.scenario)
     run.schedule = make_schedule(
         run.partition, config.rounds_per_task, config.clients_per_round, rng, config.client_sampling
     )
@@ -145,6 +146,24 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def warn_empty_clients(partition: Partition, scenario: str) -> None:
+    """A warning when the scenario leaves clients without a training sample in
+    any task (more clients than the dataset can feed, a small Dirichlet
+    alpha): they are never sampled, so they train nothing and count in no
+    client metric."""
+    empty = [k for k, c in enumerate(partition.clients) if not any(len(i) for i in c.indices)]
+    if empty:
+        import logging
+
+        logging.getLogger("fedaval").warning(
+            "%d of the %d clients of %s have no training sample in any task (first: client %d): they never train",
+            len(empty),
+            len(partition.clients),
+            scenario,
+            empty[0],
+        )
 
 
 def make_schedule(

@@ -277,3 +277,22 @@ def test_sthfl_warns_when_equal_totals_move_the_setting_off_the_requested_imbala
         assert bool(said) == off, (seed, part.summary, said)
         warned.append(off)
     assert any(warned) and not all(warned)
+
+
+def test_clients_the_scenario_leaves_without_data_are_warned_about(tiny_config, caplog):
+    """More clients than a Dirichlet split can feed (alpha 0.01 gives each of
+    digits' 10 classes to about one client): the empty ones never train, and
+    the run says so instead of leaving them out silently."""
+    from fedaval.build import build_run
+
+    with caplog.at_level("WARNING", logger="fedaval"):
+        run = build_run(tiny_config(scenario_options={"clients": 30, "tasks": 2, "alpha": 0.01}))
+    empty = [k for k, c in enumerate(run.partition.clients) if not any(len(i) for i in c.indices)]
+    said = [r.getMessage() for r in caplog.records if "no training sample in any task" in r.getMessage()]
+    assert empty and len(said) == 1
+    assert said[0].startswith(f"{len(empty)} of the 30 clients of fcil-sync have no training sample in any task")
+    assert not set(empty) & {k for ids in run.schedule for k in ids}  # never sampled
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedaval"):
+        build_run(tiny_config(scenario_options={"clients": 3, "tasks": 2}))
+    assert not [r for r in caplog.records if "no training sample" in r.getMessage()]
