@@ -22,7 +22,7 @@ from fedaval import core, cuda_graphs, cuda_streams, host_memory, offload, regis
 from fedaval.client import Client
 from fedaval.config import RunConfig
 from fedaval.datasets import load_dataset
-from fedaval.errors import NO_ROOM, FedavalUsageError
+from fedaval.errors import NO_ROOM, FedavalUsageError, choice_error
 from fedaval.options import build_options
 from fedaval.plugin_manager import get_plugin_manager, load_plugins
 from fedaval.run import Run
@@ -57,6 +57,8 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
     run.scenarios = registries.collect(run.pm, "scenarios")
     run.datasets = registries.collect(run.pm, "datasets")
     run.models = registries.collect(run.pm, "models")
+    if config.model != "auto" and config.model not in run.models:  # checked even where a plugin builds the model
+        raise choice_error("model", config.model, ["auto"] + sorted(run.models))
     spec = registries.lookup(run.scenarios, "scenario", config.scenario)
     run.scenario_options = build_options(spec.Options, scenario_values, owner=spec.name)
     unused = sorted(set(raw) - set(run.plugins.objects))

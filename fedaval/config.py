@@ -228,6 +228,39 @@ class RunConfig:
                 f"in (0, --lr {self.lr}] for --lr-schedule {self.lr_schedule}",
             ),
         ]
+        defaults = RunConfig()
+        unread = [  # (flag, value, set away from its default, the setting that leaves it unread)
+            (
+                "--lr-min",
+                self.lr_min,
+                self.lr_min != defaults.lr_min,
+                self.lr_schedule == "constant",
+                "--lr-schedule constant",
+            ),
+            (
+                "--optimizer-state",
+                self.optimizer_state,
+                self.optimizer_state == "keep",
+                self.optimizer == "sgd" and self.momentum == 0,
+                "--momentum 0: SGD keeps no state without momentum",
+            ),
+            *(
+                (
+                    flag,
+                    getattr(self, name),
+                    getattr(self, name) != getattr(defaults, name),
+                    self.checkpoint_every == 0,
+                    "--checkpoint-every 0",
+                )
+                for flag, name in (
+                    ("--keep-checkpoints", "keep_checkpoints"),
+                    ("--checkpoint-writer", "checkpoint_writer"),
+                )
+            ),
+        ]
+        for flag, value, given, idle, setting in unread:
+            if given and idle:
+                raise FedavalUsageError(f"{flag} {value} is not read with {setting}; drop it or change that setting")
         if self.backend != "ray":  # read by the Ray backend only (fedaval.backends.ray_backend)
             checks.append(("--client-gpus", self.client_gpus, self.client_gpus == 0, "0 without --backend ray"))
             checks.append(("--ray-address", self.ray_address, self.ray_address is None, "unset without --backend ray"))

@@ -104,11 +104,11 @@ class TensorImageDataset(Dataset):
 
 
 def _digits(root: Path | None, download: bool) -> ImageData:
-    if root is not None:  # read nowhere: a root given for another dataset would be silently ignored
+    if root is not None or download:  # read nowhere: given for another dataset, they would be silently ignored
+        given = f"--data-root {str(root)!r}" if root is not None else "--download"
         raise FedavalUsageError(
-            f"--data-root {str(root)!r} is not read by the dataset digits (built in, from scikit-learn); "
-            "drop it or choose a dataset that reads one (mnist, fashion-mnist, cifar10, cifar100, tiny-imagenet, "
-            "imagefolder)"
+            f"{given} is not read by the dataset digits (built in, from scikit-learn); drop it or choose a dataset "
+            "that reads one (mnist, fashion-mnist, cifar10, cifar100, tiny-imagenet, imagefolder)"
         )
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split

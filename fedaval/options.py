@@ -151,6 +151,18 @@ def changed(options: Any, names: Sequence[str]) -> list[str]:
     return [name for name in names if getattr(options, name) != getattr(defaults, name)]
 
 
+def refuse_unread(owner: str, options: Any, rules: Sequence[tuple[Sequence[str], bool, str]]) -> None:
+    """A one-line error for an option set away from its default
+    (:func:`changed`) where the plugin's other settings leave it unread:
+    each rule is ``(names, unread, setting)``, ``setting`` the one that
+    leaves ``names`` unread (``"rebalance=false"``)."""
+    for names, unread, setting in rules:
+        for name in changed(options, names) if unread else []:
+            raise FedavalUsageError(
+                f"{owner}.{name} is not read with {owner}.{setting}; drop it or change {owner}.{setting.split('=')[0]}"
+            )
+
+
 def option(default: Any, help: str, check=None) -> Any:
     """A dataclass field with help text and an optional check."""
     if isinstance(default, list):

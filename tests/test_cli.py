@@ -112,6 +112,78 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
         (["--client-gpus", "0.5"], "bad value --client-gpus 0.5; must be 0 without --backend ray"),  # was ignored
         (["--ray-address", "auto"], "bad value --ray-address auto; must be unset without --backend ray"),
         (["--client-sampling", "stage"], "bad value --client-sampling stage; must be one of round, task"),
+        # options other settings leave unread (the session-35 audit: each ran as if not given)
+        (["--download"], "--download is not read by the dataset digits"),
+        (["--lr-min", "0.04"], "--lr-min 0.04 is not read with --lr-schedule constant"),
+        (["--optimizer-state", "keep"], "--optimizer-state keep is not read with --momentum 0"),
+        (
+            ["--checkpoint-every", "0", "--keep-checkpoints", "5"],
+            "--keep-checkpoints 5 is not read with --checkpoint-every 0",
+        ),
+        (["--model", "nosuchmodel", "-p", "hgp"], "unknown model 'nosuchmodel'"),
+        (["--model", "cnn", "-p", "hgp"], "--model cnn is not read by hgp"),
+        (
+            ["-p", "hgp", "-o", "hgp.rebalance=false", "-o", "hgp.rebalance_epochs=1"],
+            "hgp.rebalance_epochs is not read with hgp.rebalance=false",
+        ),
+        (
+            ["-p", "hgp", "-o", "hgp.covariance=diag", "-o", "hgp.jitter=0.5"],
+            "hgp.jitter is not read with hgp.covariance=diag",
+        ),
+        (
+            ["-p", "hgp", "-o", "hgp.backbone=efficientnet-lite0", "-o", "hgp.vit_depth=1"],
+            "hgp.vit_depth is not read with hgp.backbone=efficientnet-lite0",
+        ),
+        (
+            ["-p", "fedprok", "-o", "fedprok.fusion=false", "-o", "fedprok.beta=0.9"],
+            "fedprok.beta is not read with fedprok.fusion=false",
+        ),
+        (
+            ["-p", "fedprok", "-o", "fedprok.translation=false", "-o", "fedprok.weight=5"],
+            "fedprok.weight is not read with fedprok.translation=false",
+        ),
+        (
+            ["-p", "fedprok", "-o", "fedprok.freeze=false", "-o", "fedprok.head_steps=3"],
+            "fedprok.head_steps is not read with fedprok.freeze=false",
+        ),
+        (
+            ["-p", "fedic", "-o", "fedic.unlabelled_samples=50"],
+            "fedic.unlabelled_samples is not read with fedic.unlabelled=''",
+        ),
+        (
+            [
+                "-p",
+                "fedic",
+                "-o",
+                "fedic.teacher=logit-adjust",
+                "-o",
+                "fedic.calibration=full",
+                "-o",
+                "fedic.gate_lr=0.9",
+            ],
+            "fedic.gate_lr is not read with fedic.calibration=full",
+        ),
+        (
+            ["-p", "glfc", "-o", "glfc.memory=per-class", "-o", "glfc.memory_size=7"],
+            "glfc.memory_size is not read with glfc.memory=per-class",
+        ),
+        (["-p", "pfcl", "-o", "pfcl.memory_size=5"], "pfcl.memory_size is not read with pfcl.memory=per-class"),
+        (
+            ["-p", "pfcl", "--model", "cnn", "-o", "pfcl.models=mlp"],
+            "--model cnn is not read when pfcl.models names the backbones",
+        ),
+        (
+            ["-p", "apfl", "-o", "apfl.adaptive=false", "-o", "apfl.alpha_lr=0.9"],
+            "apfl.alpha_lr is not read with apfl.adaptive=false",
+        ),
+        (
+            ["-p", "fedspace", "-o", "fedspace.repr_weight=0", "-o", "fedspace.repr_temperature=5"],
+            "fedspace.repr_temperature is not read with fedspace.repr_weight=0",
+        ),
+        (
+            ["-p", "attack", "-o", "attack.rounds=1", "-o", "attack.every=2"],
+            "attack.every is not read with attack.rounds=1",
+        ),
     ],
 )
 def test_bad_input_is_a_one_line_error_with_status_2(tmp_path, args, expected):

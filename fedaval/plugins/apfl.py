@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fedaval import hookimpl
-from fedaval.options import option, unit_interval
+from fedaval.options import option, refuse_unread, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -112,6 +112,7 @@ class APFL(Plugin):
         from fedaval.training import require_sgd
 
         require_sgd(run.config, "apfl", "Algorithm 1 takes the personal and the global step as SGD steps of --lr")
+        refuse_unread("apfl", self.options, [(("alpha_lr",), not self.options.adaptive, "adaptive=false")])
 
     def _personal(self, client):
         if PERSONAL not in client.stash:

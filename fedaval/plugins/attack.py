@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from fedaval import hookimpl
-from fedaval.options import at_least_one, non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive, refuse_unread
 from fedaval.plugin import Plugin
 
 
@@ -97,6 +97,15 @@ class Attack(Plugin):
             "ids": (self.options.ids, range(len(run.partition.clients))),
             "rounds": (self.options.rounds, range(1, len(run.schedule) + 1)),
         }
+        o = self.options
+        refuse_unread(
+            "attack",
+            o,
+            [
+                (("every",), bool(o.rounds), f"rounds={','.join(map(str, o.rounds))}"),
+                (("clients",), bool(o.ids), f"ids={','.join(map(str, o.ids))}"),
+            ],
+        )
         for name, (values, allowed) in known.items():
             wrong = [v for v in values if v not in allowed]
             if wrong:

@@ -85,7 +85,7 @@ import torch.nn.functional as F
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
 from fedaval.models import SplitModel, in_mode
-from fedaval.options import at_least_one, changed, non_negative, option, positive, unit_interval
+from fedaval.options import at_least_one, changed, non_negative, option, positive, refuse_unread, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.plugins.creff import fresh_linear, require_shared_head
 from fedaval.plugins.fedic_math import (
@@ -163,6 +163,18 @@ class FEDIC(Plugin):
 
         o = self.options
         refuse_other_teachers_options(o)
+        refuse_unread(
+            "fedic",
+            o,
+            [
+                (
+                    ("gate_steps", "gate_lr"),
+                    o.teacher == "logit-adjust" and o.calibration != "gated",
+                    f"calibration={o.calibration}",
+                ),
+                (("unlabelled_root", "unlabelled_classes", "unlabelled_samples"), not o.unlabelled, "unlabelled=''"),
+            ],
+        )
         if o.teacher == "code" and o.unlabelled:
             self.unlabelled_x = load_unlabelled(
                 run, "fedic.unlabelled", o.unlabelled, o.unlabelled_root, o.unlabelled_classes, o.unlabelled_samples

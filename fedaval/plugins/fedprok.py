@@ -145,7 +145,7 @@ from typing import Any, Literal
 import torch
 
 from fedaval import hookimpl
-from fedaval.options import non_negative, option, unit_interval
+from fedaval.options import non_negative, option, refuse_unread, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.plugins.fedprok_math import (
     Translation,
@@ -218,6 +218,19 @@ class FedProK(Plugin):
         self.global_prototypes: dict[int, Any] = {}
         self.anchor: dict[int, Any] = {}
         self.refreshed: dict[int, tuple[Any, int]] = {}
+
+    @hookimpl
+    def fedaval_setup(self, run):
+        o = self.options
+        refuse_unread(
+            "fedprok",
+            o,
+            [
+                (("beta",), not o.fusion, "fusion=false"),
+                (("weight", "head_steps"), not o.translation, "translation=false"),
+                (("head_steps",), not o.freeze, "freeze=false"),
+            ],
+        )
 
     # --- client -----------------------------------------------------------
     @hookimpl

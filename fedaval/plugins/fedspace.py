@@ -94,7 +94,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedaval import hookimpl
-from fedaval.options import non_negative, option, positive, unit_interval
+from fedaval.options import non_negative, option, positive, refuse_unread, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -147,6 +147,11 @@ class FedSpace(Plugin):
         self.sent: dict[int, int] = {}
 
     # --- model and evaluation ---------------------------------------------------
+    @hookimpl
+    def fedaval_setup(self, run):
+        o = self.options
+        refuse_unread("fedspace", o, [(("repr_temperature",), o.repr_weight == 0, "repr_weight=0")])
+
     @hookimpl
     def fedaval_make_model(self, run, client_id):
         from fedaval.models import build_model

@@ -115,7 +115,7 @@ from typing import Any, Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import at_least_one, changed, non_negative, option, positive
+from fedaval.options import at_least_one, changed, non_negative, option, positive, refuse_unread
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -201,6 +201,15 @@ class GLFC(Plugin):
 
         from fedaval.plugins.glfc_math import LeNet
 
+        o = self.options
+        refuse_unread(
+            "glfc",
+            o,
+            [
+                (("memory_size",), o.memory != "total", f"memory={o.memory}"),
+                (("memory_per_class",), o.memory != "per-class", f"memory={o.memory}"),
+            ],
+        )
         unused = changed(self.options, ["rd_weight", "temperature"]) if self.options.loss == "code" else []
         if unused:
             raise FedavalUsageError(

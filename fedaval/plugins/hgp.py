@@ -70,11 +70,15 @@ from torch.utils.data import DataLoader
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import at_least_one, non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive, refuse_unread
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
 STATS = StashKey[dict]("hgp.stats")  # class -> ClassGaussian: the client's statistics so far
+
+
+#: options only the ViT backbone reads
+VIT_ONLY = ("vit_patch", "vit_dim", "vit_depth", "vit_heads", "vit_mlp_dim", "prompt_length")
 
 
 @dataclass
@@ -145,6 +149,21 @@ class HGP(Plugin):
         from fedaval.plugins.hgp_backbones import check_vit_shape
 
         o = self.options
+        if run.config.model != "auto":
+            raise FedavalUsageError(
+                f"--model {run.config.model} is not read by hgp, which builds its own model (hgp.backbone="
+                f"{o.backbone}); drop --model or choose the backbone with -o hgp.backbone"
+            )
+        off = "rebalance=false"
+        refuse_unread(
+            "hgp",
+            o,
+            [
+                (("synthetic_per_class", "rebalance_epochs", "rebalance_lr", "jitter"), not o.rebalance, off),
+                (("jitter",), o.covariance == "diag", "covariance=diag"),
+                (VIT_ONLY, o.backbone != "vit", f"backbone={o.backbone}"),
+            ],
+        )
         if o.backbone == "vit":
             problem = check_vit_shape(self._image_size(run), o.vit_patch, o.vit_dim, o.vit_heads)
             if problem:

@@ -64,7 +64,7 @@ import torch
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import at_least_one, non_negative, option, positive
+from fedaval.options import at_least_one, non_negative, option, positive, refuse_unread
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -115,6 +115,20 @@ class PFCL(Plugin):
     def fedaval_setup(self, run):
         from fedaval.models import MODELS
 
+        o = self.options
+        refuse_unread(
+            "pfcl",
+            o,
+            [
+                (("memory_size",), o.memory != "total", f"memory={o.memory}"),
+                (("memory_per_class",), o.memory != "per-class", f"memory={o.memory}"),
+            ],
+        )
+        if o.models and run.config.model != "auto":
+            raise FedavalUsageError(
+                f"--model {run.config.model} is not read when pfcl.models names the backbones "
+                f"({','.join(o.models)}); drop one of them"
+            )
         for name in self.options.models:
             if name not in MODELS:
                 raise FedavalUsageError(f"bad value pfcl.models={name!r}; allowed: {', '.join(sorted(MODELS))}")

@@ -99,7 +99,7 @@ from typing import Any, Literal
 
 from fedaval import hookimpl
 from fedaval.errors import FedavalUsageError
-from fedaval.options import at_least_one, changed, non_negative, option, positive, unit_interval
+from fedaval.options import at_least_one, non_negative, option, positive, refuse_unread, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
 
@@ -249,13 +249,9 @@ class Target(Plugin):
         from torch import nn
 
         o = self.options
-        unused = changed(o, PAPER_ONLY if o.synthesis == "code" else CODE_ONLY)
-        if unused:
-            other = "paper" if o.synthesis == "code" else "code"
-            raise FedavalUsageError(
-                f"target.{unused[0]} applies to target.synthesis={other} only, but target.synthesis={o.synthesis}; "
-                f"drop it or set -o target.synthesis={other}"
-            )
+        refuse_unread(
+            "target", o, [(PAPER_ONLY if o.synthesis == "code" else CODE_ONLY, True, f"synthesis={o.synthesis}")]
+        )
         with torch.random.fork_rng(devices=[]):  # the run's models start as they would without TARGET
             model = run.model(None)
         if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
