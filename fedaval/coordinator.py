@@ -214,7 +214,33 @@ def plugin_round_metrics(run: Run, round: int) -> dict[str, dict[str, Any]]:
     for impl in reversed(caller.get_hookimpls()):
         values = impl.function(*(kwargs[name] for name in impl.argnames))
         if values:
-            out.setdefault(impl.plugin_name, {}).update(values)
+            out.setdefault(impl.plugin_name, {}).update(metric_values(impl.plugin_name, values))
+    return out
+
+
+def metric_values(plugin: str, values: Any) -> dict[str, Any]:
+    """A plugin's round metrics as JSON numbers (a one-element tensor is read
+    out); anything else is a :class:`~fedaval.errors.PluginError` naming the
+    plugin, where it was a traceback in the JSON writer, or a string written
+    to results.json that TensorBoard dropped."""
+    import torch
+
+    from fedaval.errors import PluginError
+
+    if not isinstance(values, dict):
+        raise PluginError(
+            f"plugin {plugin!r}: fedaval_round_metrics returned a {type(values).__name__}; expected a dict"
+        )
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise PluginError(
+                f"plugin {plugin!r}: fedaval_round_metrics returned {key!r} = {value!r:.40}; "
+                "expected a number (or None)"
+            )
+        out[key] = value
     return out
 
 
@@ -503,7 +529,7 @@ def _train_rounds(
             except DiskFull:
                 raise  # its message already says what is kept and how to go on
             except RunFailure as exc:
-                raise RunFailure(f"{exc}{resume_hint(run)}") from exc
+                raise type(exc)(f"{exc}{resume_hint(run)}") from exc  # of its own class: a PluginError stays one
             if "mean_client_accuracy" in record:  # evaluated: forgetting and BWT so far
                 rows = [*matrix, record["global_task_accuracy"]]
                 record["forgetting"] = forgetting(rows)

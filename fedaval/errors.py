@@ -17,6 +17,20 @@ class RunFailure(Exception):
     exit_code = 1
 
 
+class PluginError(RunFailure):
+    """A plugin's hook returned what the core cannot use (a tensor of the
+    wrong shape, a value of the wrong type). The message names the hook and
+    the plugins implementing it; like any :class:`RunFailure` it is one
+    line, exit 1, and what was written stays."""
+
+
+def implementers(pm, hook: str) -> str:
+    """``'a', 'b'``: the plugins implementing ``hook`` (wrappers excluded), for
+    a :class:`PluginError`'s message."""
+    impls = getattr(pm.hook, hook).get_hookimpls()
+    return ", ".join(repr(i.plugin_name) for i in impls if not i.hookwrapper and not getattr(i, "wrapper", False))
+
+
 class RunInterrupted(Exception):
     """A run stopped by Ctrl-C or SIGTERM. The message names the round
     reached and the ``--resume`` command; the CLI prints it on one line and

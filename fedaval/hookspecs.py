@@ -29,6 +29,10 @@ attribute keyed by client id: the client then carries its method state
 wherever it goes (offloaded to memory or disk, sent to a Ray worker, saved in a
 checkpoint). A plugin's own attributes hold the server's state and are
 changed by server hooks only.
+
+What a plugin reads besides the arguments (the run, client and upload
+objects, the stash, options, checkpointed state, what is logged, what a
+wrong return value does) is in docs/plugins.md.
 """
 
 from __future__ import annotations
@@ -220,7 +224,10 @@ def fedaval_classify(
 
     Stops at the first non-None result; ``None`` everywhere means
     ``model.classifier(features)``. Nearest-prototype and prototype-distance
-    classifiers live here.
+    classifiers live here. In evaluation the scores are ``[N,
+    run.num_classes]``, one column per class of the dataset (another shape
+    stops the run with a :class:`~fedaval.errors.PluginError`); in training
+    they are whatever the criterion reads.
 
     A sample's scores must depend on that sample's features alone: in
     evaluation a minibatch may hold the samples of several seen experiences
@@ -321,7 +328,9 @@ def fedaval_server_fuse_weights(
     """Combine the uploaded ``"weights"`` into new global weights.
 
     ``global_weights`` is the current global state of the shared keys. Return
-    the new values of (some of) those keys. Stops at the first non-None
+    the new values of (some of) those keys, each a tensor of its key's shape
+    (a key the global model lacks, or another shape, stops the run with a
+    :class:`~fedaval.errors.PluginError`). Stops at the first non-None
     result; FedAvg's sample-weighted mean is registered ``trylast``, so a
     method overrides it by implementing this hook."""
 

@@ -46,7 +46,12 @@ def payload_nbytes(obj: Any) -> int:
         return sum(8 + payload_nbytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(payload_nbytes(v) for v in obj)
-    raise TypeError(f"cannot count the bytes of a {type(obj).__name__} in a payload")
+    from fedaval.errors import PluginError
+
+    raise PluginError(
+        f"a payload holds a {type(obj).__name__}; payloads are tensors, numbers, strings, and dicts, lists and "
+        "tuples of them"
+    )
 
 
 def copy_into(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
@@ -136,13 +141,19 @@ class FiniteCheck:
 
 
 def merge_entries(results: list[dict[str, Any] | None], what: str) -> dict[str, Any]:
-    """Merge hook results ``[{entry: value}, ...]``; an entry named twice is a bug in a plugin."""
+    """Merge hook results ``[{entry: value}, ...]``; a result that is not a
+    dict, or an entry named twice, is a bug in a plugin
+    (:class:`~fedaval.errors.PluginError`)."""
+    from fedaval.errors import PluginError
+
     merged: dict[str, Any] = {}
     for result in results:
         if not result:
             continue
+        if not isinstance(result, dict):
+            raise PluginError(f"a plugin's {what} hook returned a {type(result).__name__}; expected a dict of entries")
         for key, value in result.items():
             if key in merged:
-                raise RuntimeError(f"two plugins return the {what} entry {key!r}")
+                raise PluginError(f"two plugins return the {what} entry {key!r}")
             merged[key] = value
     return merged

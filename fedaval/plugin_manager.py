@@ -10,6 +10,7 @@ builds a plugin class from an argument through a factory of
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -109,7 +110,9 @@ def instantiate(name: str, obj: Any, option_values: dict[str, Any]) -> Any:
             if option_values:
                 raise FedavalUsageError(f"plugin {name!r} takes no options; got {', '.join(option_values)}")
             return obj()
-        return obj(build_options(options_cls, option_values, owner=name))  # type: ignore[call-arg]
+        if not dataclasses.is_dataclass(options_cls):
+            raise FedavalUsageError(f"plugin {name!r}: its Options is not a dataclass; decorate it with @dataclass")
+        return obj(build_options(options_cls, option_values, owner=name))  # type: ignore[call-arg,arg-type]
     return obj  # an already-built plugin object
 
 
@@ -139,18 +142,31 @@ def load_plugins(
         if name in loaded.objects:
             raise FedavalUsageError(f"plugin name {name!r} is loaded twice (from {spec!r})")
         instance = instantiate(name, obj, option_values.get(name, {}))
-        pm.register(instance, name=name)
+        register(pm, instance, name)
         loaded.names.append(name)
         loaded.objects[name] = instance
     for instance in extra:
         name = plugin_name(instance, default=type(instance).__name__.lower())
-        pm.register(instance, name=name)
+        register(pm, instance, name)
         loaded.names.append(name)
         loaded.objects[name] = instance
     check_hook_names(pm)
     check_competing_hooks(pm)
     check_loss_terms(loaded)
     return loaded
+
+
+def register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    """``pm.register``, with pluggy's refusal of a hook implementation (an
+    argument the hook does not have, a misspelt ``clinet``) as a one-line
+    error naming the plugin."""
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
+        lines = str(exc).splitlines()  # pluggy: "Plugin 'x' for hook 'h'", the definition, the reason
+        hook = lines[0].rsplit(" ", 1)[-1]
+        reason = lines[-1] if len(lines) > 1 else lines[0]
+        raise FedavalUsageError(f"plugin {name!r}, hook {hook}: {reason}; see fedaval/hookspecs.py") from None
 
 
 def check_loss_terms(loaded: LoadedPlugins) -> None:

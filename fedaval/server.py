@@ -86,6 +86,7 @@ class Server:
                         f"round {round}: {exc}; the global model keeps the previous round's weights"
                     ) from exc
                 state = self.model.state_dict()
+                check_fused(self.run, new, state)
                 copy_into([state[key] for key in new], list(new.values()))
         self.extras = merge_entries(hook.fedaval_server_fuse(run=self.run, uploads=uploads, round=round), "download")
         if "weights" in self.extras:
@@ -106,3 +107,20 @@ class StageWithoutTestData:
 
     def logging(self) -> StageWithoutTestData:
         return self
+
+
+def check_fused(run: Run, new: dict[str, Any], state: dict[str, Any]) -> None:
+    """A :class:`~fedaval.errors.PluginError` for fused weights the global
+    model has no key for, or of another shape: copied in, a one-element
+    tensor would be broadcast over a whole weight, silently."""
+    from fedaval.errors import PluginError, implementers
+
+    for key, value in new.items():
+        known = state.get(key)
+        shape = tuple(getattr(value, "shape", ()))
+        if known is None or not isinstance(value, torch.Tensor) or shape != tuple(known.shape):
+            expected = "no such key" if known is None else f"the global model's is {tuple(known.shape)}"
+            raise PluginError(
+                f"fedaval_server_fuse_weights returned {key!r} as {type(value).__name__} {shape}; {expected} "
+                f"(implemented by {implementers(run.pm, 'fedaval_server_fuse_weights')})"
+            )

@@ -381,13 +381,37 @@ def dump(
     ``extra``) as references; with ``keep``, tensor storages are kept there
     (by reference) instead of being written.
 
-    Raises ``TypeError`` naming the object that cannot be pickled (a plugin
-    holding an open file or a lambda, say)."""
+    Raises :class:`~fedaval.errors.PluginError` naming the plugin and
+    attribute that cannot be pickled (a plugin holding a lock, an open file
+    or a lambda, say), else ``TypeError`` naming the object."""
     try:
         with no_cyclic_gc():
             RunPickler(file, shared_objects(run, extra), keep).dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        culprit = _unpicklable_plugin_attribute(obj)
+        if culprit:  # a plugin's mistake: one line, not a traceback
+            from fedaval.errors import PluginError
+
+            raise PluginError(f"cannot save the run's state: {exc}{culprit}") from exc
         raise TypeError(f"cannot save the run's state: {exc}") from exc
+
+
+def _unpicklable_plugin_attribute(obj: Any) -> str:
+    """``"; plugin 'x' attribute 'lock'"``: the first plugin state entry a
+    plain pickle refuses, when ``obj`` is a checkpoint's objects (its
+    ``"plugins"``: name -> state dict); ``""`` otherwise. Plugin attributes are
+    pickled into every checkpoint (:meth:`fedaval.plugin.Plugin.state_dict`)."""
+    plugins = obj.get("plugins") if isinstance(obj, dict) else None
+    for name, saved in (plugins or {}).items():
+        for key, value in saved.items() if isinstance(saved, dict) else []:
+            try:
+                pickle.dumps(value)
+            except Exception:  # noqa: BLE001 - any refusal names the attribute
+                return (
+                    f"; plugin {name!r} holds it in attribute {key!r} (plugin attributes are checkpointed: "
+                    "leave it out of an overriding state_dict and rebuild it in fedaval_setup)"
+                )
+    return ""
 
 
 def load(run: Run, file: IO[bytes], extra: dict[str, Any] | None = None, keep: KeptStorages | None = None) -> Any:

@@ -151,7 +151,17 @@ class FederatedStrategy(SupervisedTemplate):
             logits = self.run.hook.fedaval_classify(
                 run=self.run, client=self.client, model=self.model, features=features, training=self.is_training
             )
-            return self.model.classifier(features) if logits is None else logits
+            if logits is None:
+                return self.model.classifier(features)
+            if not self.is_training and tuple(logits.shape) != (features.shape[0], self.run.num_classes):
+                from fedaval.errors import PluginError, implementers
+
+                raise PluginError(  # argmax over other columns would give accuracies of other classes, silently
+                    f"fedaval_classify returned scores of shape {tuple(logits.shape)} in evaluation; expected "
+                    f"{(features.shape[0], self.run.num_classes)}, one column per class of the dataset "
+                    f"(implemented by {implementers(self.run.pm, 'fedaval_classify')})"
+                )
+            return logits
 
     def _precision(self):
         """``--precision``'s autocast while a client trains (:func:`fedaval.training.autocast`); none otherwise."""

@@ -6,9 +6,12 @@ import json
 import sys
 import textwrap
 
+import pytest
 import torch
 from click.testing import CliRunner
+from helpers import one_line_error
 
+from fedaval import hookimpl
 from fedaval.cli import cli
 
 PLUGIN = '''
@@ -87,3 +90,114 @@ def test_third_party_plugin_adds_a_loss_term_and_replaces_fusion(tmp_path, monke
     sys.modules.pop("mymethod", None)
     assert client0 and all(torch.equal(global_state[k], v) for k, v in client0.items())
     assert json.loads((out / "config.json").read_text())["plugin_options"]["shrink"] == {"weight": "2.0"}
+
+
+# --- a third party's mistakes: named, one line, never silent (session-35 audit) -------------------
+
+
+class BroadcastFuse:
+    """Fuses every weight into a one-element tensor: copied in, it would be
+    broadcast over the whole weight and the run would end at chance."""
+
+    name = "broadcast"
+
+    @hookimpl
+    def fedaval_server_fuse_weights(self, run, uploads, global_weights):
+        return {key: torch.zeros(1) for key in global_weights}
+
+
+class NarrowScores:
+    """Evaluation scores over 5 of digits' 10 classes."""
+
+    name = "narrow"
+
+    @hookimpl
+    def fedaval_classify(self, run, client, model, features, training):
+        logits = model.classifier(features)
+        return logits if training else logits[:, :5]
+
+
+class Metrics:
+    name = "metrics"
+
+    def __init__(self, value):
+        self.value = value
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        return {"m": self.value}
+
+
+class NumpyUpload:
+    name = "numpyup"
+
+    @hookimpl
+    def fedaval_client_upload(self, run, client):
+        import numpy as np
+
+        return {"counts": np.zeros(3)}
+
+
+class HoldsALock:
+    name = "holdslock"
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+
+
+@pytest.mark.parametrize(
+    "plugin, message",
+    [
+        (BroadcastFuse(), r"fedaval_server_fuse_weights returned '[^']+' as Tensor \(1,\); the global model's is "),
+        (NarrowScores(), r"fedaval_classify returned scores of shape \(\d+, 5\) in evaluation; expected \(\d+, 10\)"),
+        (Metrics("abc"), r"plugin 'metrics': fedaval_round_metrics returned 'm' = 'abc'; expected a number"),
+        (NumpyUpload(), r"a payload holds a ndarray; payloads are tensors"),
+        (HoldsALock(), r"cannot save the run's state: .*plugin 'holdslock' holds it in attribute 'lock'"),
+    ],
+)
+def test_a_plugin_returning_what_the_core_cannot_use_stops_the_run_naming_it(tiny_config, tmp_path, plugin, message):
+    from fedaval.api import run_training
+    from fedaval.errors import PluginError
+
+    with pytest.raises(PluginError, match=message):
+        run_training(tiny_config(on_client_failure="fail", checkpoint_every=1), extra_plugins=[plugin])
+
+
+def test_a_one_element_tensor_metric_is_written_as_a_number(tiny_config):
+    from fedaval.api import run_training
+
+    results = run_training(tiny_config(), extra_plugins=[Metrics(torch.tensor(1.5))])
+    assert results["rounds"][0]["plugin_metrics"]["metrics"] == {"m": 1.5}
+
+
+def test_a_hook_argument_the_spec_lacks_and_options_without_dataclass_are_one_line_errors(tmp_path, monkeypatch):
+    (tmp_path / "typos.py").write_text(
+        textwrap.dedent(
+            """
+            from fedaval import hookimpl
+            from fedaval.plugin import Plugin
+
+
+            class Clinet(Plugin):
+                name = "clinet"
+
+                @hookimpl
+                def fedaval_client_loss(self, run, clinet, batch):
+                    return None
+
+
+            class Undecorated(Plugin):
+                name = "undecorated"
+
+                class Options:
+                    weight: float = 1.0
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = one_line_error(["train", "--plugins", "typos:Clinet", "--out", str(tmp_path / "a")])
+    assert "plugin 'clinet', hook 'fedaval_client_loss': Argument(s) {'clinet'} are declared in the hookimpl" in line
+    line = one_line_error(["train", "--plugins", "typos:Undecorated", "--out", str(tmp_path / "b")])
+    assert "plugin 'undecorated': its Options is not a dataclass; decorate it with @dataclass" in line

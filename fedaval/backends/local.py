@@ -117,10 +117,39 @@ def client_round(
 
 
 def _failed(result: ClientRound, exc: BaseException) -> ClientRound:
-    result.failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    result.failure = f"{type(exc).__name__}: {exc}".splitlines()[0] + raised_in_plugin(exc)
     result.error = exc
     result.losses, result.upload, result.pending = {}, None, None
     return result
+
+
+def raised_in_plugin(exc: BaseException) -> str:
+    """`` (raised at PATH:LINE in FUNCTION)`` for the innermost frame of
+    ``exc``'s traceback in a plugin's code (a third party's or fedaval's own
+    ``fedaval/plugins/``), where the one-line failure would otherwise name no
+    plugin; ``""`` when the exception comes from elsewhere (the core's own
+    messages say what they mean; torch's, pluggy's and Avalanche's frames are
+    passed over)."""
+    import os
+    import sysconfig
+    import traceback
+    from pathlib import Path
+
+    import fedaval
+
+    core = Path(fedaval.__file__).parent
+    libraries = [Path(sysconfig.get_paths()["stdlib"])] + [
+        Path(m.__file__).parent for m in (torch, __import__("pluggy"), __import__("avalanche")) if m.__file__
+    ]
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename)
+        if any(path.is_relative_to(lib) for lib in libraries):
+            continue
+        if path.is_relative_to(core) and not path.is_relative_to(core / "plugins"):
+            return ""  # the core raised it
+        shown = os.path.join(*path.parts[-2:])
+        return f" (raised at {shown}:{frame.lineno} in {frame.name})"
+    return ""
 
 
 def settle(results: list[ClientRound]) -> None:
