@@ -25,6 +25,7 @@ CLIENT_TESTS = ("test", "train")  # how a client's accuracy weighs its classes (
 PRECISIONS = ("fp32", "bf16")  # local training's forward and loss (fedaval.training.autocast)
 COMPILE_BACKENDS = ("off", "inductor", "aot_eager")  # --compile (fedaval.training.compiled_features)
 MAX_CLIENT_STREAMS = 64  # --client-streams (fedaval.cuda_streams)
+FLOAT32_MAX = 3.4028234663852886e38  # torch's optimizers take --lr and --weight-decay as float32 scalars
 
 TRAINING_DEFAULTS: dict[str, dict[str, Any]] = {
     # digits (8x8, the MLP), measured, not guessed: lr 0.01 x 1 epoch left FedAvg
@@ -145,7 +146,12 @@ class RunConfig:
                 "one of " + ", ".join(CLIENT_SAMPLINGS),
             ),
             ("--batch-size", self.batch_size, self.batch_size >= 1, ">= 1"),
-            ("--lr", self.lr, finite["lr"] and self.lr > 0, "finite and > 0"),
+            (
+                "--lr",
+                self.lr,
+                finite["lr"] and 0 < self.lr <= FLOAT32_MAX,
+                "finite, > 0 and at most float32's largest, 3.4e38",
+            ),
             ("--optimizer", self.optimizer, self.optimizer in OPTIMIZERS, "one of " + ", ".join(OPTIMIZERS)),
             ("--momentum", self.momentum, 0 <= self.momentum < 1, "in [0, 1)"),
             (
@@ -154,7 +160,12 @@ class RunConfig:
                 self.optimizer != "adam" or self.momentum == 0,
                 "0 with --optimizer adam (momentum is SGD's; Adam keeps its own moments)",
             ),
-            ("--weight-decay", self.weight_decay, finite["weight_decay"] and self.weight_decay >= 0, "finite and >= 0"),
+            (
+                "--weight-decay",
+                self.weight_decay,
+                finite["weight_decay"] and 0 <= self.weight_decay <= FLOAT32_MAX,
+                "finite, >= 0 and at most float32's largest, 3.4e38",
+            ),
             ("--eval-every", self.eval_every, self.eval_every >= 1, ">= 1"),
             ("--utility-lambda", self.utility_lambda, 0 <= self.utility_lambda <= 1, "in [0, 1]"),
             ("--link-mbps", self.link_mbps, self.link_mbps > 0, "> 0 (Mbit/s)"),

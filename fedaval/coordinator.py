@@ -383,6 +383,7 @@ def train(
 
     results = new_results(run) if results is None else results
     set_status(run, results, "running")
+    restore_sigint = None
     try:
         if run.out_dir is not None:  # the rounds so far (a resumed run: those of its checkpoint)
             _write(run, lambda: rewrite_rounds(run.out_dir, results["rounds"]))
@@ -396,6 +397,7 @@ def train(
     except DiskFull:
         raise  # nothing more can be written; the last good files stay as they are
     except KeyboardInterrupt:
+        restore_sigint = ignore_sigint()  # a second Ctrl-C would break off the writes below with a traceback
         _mark_stopped(run, results, "interrupted")
         raise RunInterrupted(interrupted_message(run, results)) from None
     except RunStopped:
@@ -409,8 +411,29 @@ def train(
         try:
             _finish_writes(run)
         finally:
-            run.hook.fedaval_teardown(run=run)
+            try:
+                run.hook.fedaval_teardown(run=run)
+            finally:
+                if restore_sigint is not None:
+                    restore_sigint()
     return results
+
+
+def ignore_sigint() -> Callable[[], None] | None:
+    """Ignore Ctrl-C while an interrupted run writes where it stopped (and
+    its plugins tear down); returns what puts the previous handler back
+    (``None`` off the main thread, where signals cannot be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, previous)
+
+    return restore
 
 
 def _finish_writes(run: Run) -> None:

@@ -83,7 +83,14 @@ def resolve_plugin(spec: str) -> tuple[str, Any]:
             obj = getattr(module, attr)
         except AttributeError:
             raise FedavalUsageError(f"plugin {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
-        return plugin_name(obj, default=attr.lower()), obj
+        name = plugin_name(obj, default=attr.lower())
+        taken = installed_plugins().get(name)
+        if taken is not None and taken.value != spec and taken.load() is not obj:
+            raise FedavalUsageError(
+                f"plugin {spec!r} calls itself {name!r}, the name of the installed plugin {taken.value}; "
+                "give it another name (results and options would be filed under the other's)"
+            )
+        return name, obj
     installed = installed_plugins()
     if spec not in installed:
         raise choice_error(

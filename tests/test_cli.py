@@ -112,6 +112,10 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
         (["--client-gpus", "0.5"], "bad value --client-gpus 0.5; must be 0 without --backend ray"),  # was ignored
         (["--ray-address", "auto"], "bad value --ray-address auto; must be unset without --backend ray"),
         (["--client-sampling", "stage"], "bad value --client-sampling stage; must be one of round, task"),
+        (
+            ["--lr", "1e300"],
+            "bad value --lr 1e+300; must be finite, > 0 and at most float32's largest",
+        ),  # overflowed in SGD
         # options other settings leave unread (the session-35 audit: each ran as if not given)
         (["--download"], "--download is not read by the dataset digits"),
         (["--lr-min", "0.04"], "--lr-min 0.04 is not read with --lr-schedule constant"),

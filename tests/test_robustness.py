@@ -624,3 +624,37 @@ def test_every_option_of_every_command_has_help_text():
         if isinstance(param, click.Option) and not param.help
     ]
     assert missing == []
+
+
+class InterruptTwice:
+    """Ctrl-C in round 2, and a second one while the run writes where it stopped
+    (sent from its teardown, the last of those writes)."""
+
+    name = "interrupt-twice"
+
+    def __init__(self):
+        self.handler_at_teardown = None
+
+    @hookimpl
+    def fedaval_client_epoch_start(self, run, client, epoch):
+        if run.round == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    @hookimpl
+    def fedaval_teardown(self, run):
+        self.handler_at_teardown = signal.getsignal(signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # ignored: it would have broken off the writes with a traceback
+
+
+def test_a_second_ctrl_c_while_an_interrupted_run_stops_is_ignored(tiny_config, tmp_path):
+    from fedaval.api import run_training
+    from fedaval.errors import RunInterrupted
+
+    before = signal.getsignal(signal.SIGINT)
+    probe = InterruptTwice()
+    with pytest.raises(RunInterrupted, match="interrupted"):
+        run_training(tiny_config(out=tmp_path / "run"), extra_plugins=[probe])
+    assert probe.handler_at_teardown is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is before  # put back once the run has stopped
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["status"]["state"] == "interrupted" and results["status"]["rounds_done"] == 1

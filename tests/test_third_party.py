@@ -172,7 +172,7 @@ def test_a_one_element_tensor_metric_is_written_as_a_number(tiny_config):
     assert results["rounds"][0]["plugin_metrics"]["metrics"] == {"m": 1.5}
 
 
-def test_a_hook_argument_the_spec_lacks_and_options_without_dataclass_are_one_line_errors(tmp_path, monkeypatch):
+def test_a_hook_argument_the_spec_lacks_undecorated_options_and_a_taken_name_are_one_line_errors(tmp_path, monkeypatch):
     (tmp_path / "typos.py").write_text(
         textwrap.dedent(
             """
@@ -188,6 +188,10 @@ def test_a_hook_argument_the_spec_lacks_and_options_without_dataclass_are_one_li
                     return None
 
 
+            class NameClash(Plugin):
+                name = "fedprox"
+
+
             class Undecorated(Plugin):
                 name = "undecorated"
 
@@ -201,3 +205,5 @@ def test_a_hook_argument_the_spec_lacks_and_options_without_dataclass_are_one_li
     assert "plugin 'clinet', hook 'fedaval_client_loss': Argument(s) {'clinet'} are declared in the hookimpl" in line
     line = one_line_error(["train", "--plugins", "typos:Undecorated", "--out", str(tmp_path / "b")])
     assert "plugin 'undecorated': its Options is not a dataclass; decorate it with @dataclass" in line
+    line = one_line_error(["train", "--plugins", "typos:NameClash", "--out", str(tmp_path / "c")])
+    assert "plugin 'typos:NameClash' calls itself 'fedprox', the name of the installed plugin" in line
