@@ -92,8 +92,10 @@ def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Pat
         except OSError as exc:  # /proc, a name too long for the file system, a full disk
             raise FedavalUsageError(f"--out {str(out_dir)!r} cannot be made ({exc.strerror})") from None
     run.hook.fedaval_setup(run=run)
+    refuse_unread_run_options(run)
     seed_everything(config.seed)  # models start the same whatever the plugins drew
     run.server = Server(run, run.model(None), run.federation_task_classes())
+    warn_idle_speed_options(run)
     run.clients = []
     with state.no_cyclic_gc():  # 1000 cnn clients are 3 million objects: collections on the way cost ~2 s
         for k, tasks in enumerate(run.partition.clients):
@@ -148,6 +150,35 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def refuse_unread_run_options(run: Run) -> None:
+    """A one-line error for a run option the loaded methods leave unread:
+    ``--utility-lambda`` where the federation's model is the clients' (no
+    global model, so no stability, plasticity or utility)."""
+    config = run.config
+    if config.utility_lambda != RunConfig().utility_lambda and run.hook.fedaval_federation_model(run=run) == "clients":
+        raise FedavalUsageError(
+            f"--utility-lambda {config.utility_lambda} is not read: the federation model of "
+            f"{', '.join(config.plugins)} is the clients' models, with no global model whose utility it weighs"
+        )
+
+
+def warn_idle_speed_options(run: Run) -> None:
+    """Warnings for options that cannot act in this run, though allowed in
+    it: a learning-rate schedule over a single round (it changes the rate
+    between rounds), ``--channels-last`` on a model without a convolution."""
+    import logging
+
+    config, log = run.config, logging.getLogger("fedaval")
+    if config.lr_schedule != "constant" and len(run.schedule) <= 1:
+        log.warning(
+            "--lr-schedule %s changes the learning rate between rounds; this run has %d round, so it trains at --lr",
+            config.lr_schedule,
+            len(run.schedule),
+        )
+    if config.channels_last and not any(p.dim() == 4 for p in run.server.model.parameters()):
+        log.warning("--channels-last: the model (%s) has no convolution; nothing changes", config.model)
 
 
 def warn_empty_clients(partition: Partition, scenario: str) -> None:

@@ -117,6 +117,7 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
             "bad value --lr 1e+300; must be finite, > 0 and at most float32's largest",
         ),  # overflowed in SGD
         # options other settings leave unread (the session-35 audit: each ran as if not given)
+        (["-p", "pfcl", "--utility-lambda", "0.9"], "--utility-lambda 0.9 is not read: the federation model of pfcl"),
         (["--download"], "--download is not read by the dataset digits"),
         (["--lr-min", "0.04"], "--lr-min 0.04 is not read with --lr-schedule constant"),
         (["--optimizer-state", "keep"], "--optimizer-state keep is not read with --momentum 0"),

@@ -658,3 +658,28 @@ def test_a_second_ctrl_c_while_an_interrupted_run_stops_is_ignored(tiny_config, 
     assert signal.getsignal(signal.SIGINT) is before  # put back once the run has stopped
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["status"]["state"] == "interrupted" and results["status"]["rounds_done"] == 1
+
+
+@pytest.mark.parametrize(
+    "settings, warning",
+    [
+        (
+            dict(lr_schedule="cosine", rounds_per_task=1, scenario_options={"clients": 2, "tasks": 1}),
+            "--lr-schedule cosine changes the learning rate between rounds; this run has 1 round, so it trains at --lr",
+        ),
+        (dict(channels_last=True), "--channels-last: the model (auto) has no convolution; nothing changes"),
+    ],
+)
+def test_an_option_this_run_cannot_act_on_is_warned_about(tiny_config, caplog, settings, warning):
+    """The session-35 audit's runs with these options equalled the runs without
+    them, silently; with two rounds and a convolution they act, unwarned."""
+    from fedaval.build import build_run
+
+    def warnings(**overrides):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fedaval"):
+            build_run(tiny_config(**{**settings, **overrides}))
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith(warning[:15])]
+
+    assert warnings() == [warning]
+    assert warnings(model="cnn", rounds_per_task=2) == []
