@@ -122,7 +122,11 @@ def describe_options(options_cls: type | None) -> list[tuple[str, str, str, str]
             default = field.default_factory()  # type: ignore[misc]
         else:
             default = "(required)"
-        rows.append((field.name, _type_name(hints[field.name]), repr(default), field.metadata.get("help", "")))
+        kind = _type_name(hints[field.name])
+        allowed = CHECK_TEXT.get(field.metadata.get("check"))
+        rows.append(
+            (field.name, f"{kind}, {allowed}" if allowed else kind, repr(default), field.metadata.get("help", ""))
+        )
     return rows
 
 
@@ -141,6 +145,10 @@ def at_least_one(value: int) -> str | None:
 
 def unit_interval(value: float) -> str | None:
     return None if 0 <= value <= 1 else "must be in [0, 1]"
+
+
+#: what each of the checks above allows, shown by ``fedaval plugins`` beside an option's type
+CHECK_TEXT: dict[Any, str] = {positive: "> 0", non_negative: ">= 0", at_least_one: ">= 1", unit_interval: "in [0, 1]"}
 
 
 def changed(options: Any, names: Sequence[str]) -> list[str]:

@@ -22,6 +22,7 @@ def test_plugins_lists_fedavg_with_its_hooks():
     result = invoke("plugins")
     assert result.exit_code == 0
     assert "fedavg" in result.output and "fedaval_server_fuse_weights" in result.output
+    assert "-o fedprox.mu=0.01  (a finite number, >= 0)" in result.output  # what the option's check allows
 
 
 def test_scenarios_lists_the_four_settings_with_options():
