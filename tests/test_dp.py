@@ -279,3 +279,20 @@ def test_fedweit_under_dp_clips_its_base_update_not_its_base(tiny_config, tmp_pa
         )
     )
     assert [r["client_accuracy"] for r in plain["rounds"]] == [r["client_accuracy"] for r in clipped["rounds"]]
+
+
+def test_dropping_buffers_on_a_model_without_any_is_warned_about(tiny_config, caplog):
+    """The session-35 audit: ``dp.buffers=drop`` on the MLP trained exactly as
+    ``keep``, silently; the CNN shares BatchNorm statistics, so it acts."""
+    from fedaval.build import build_run
+
+    said = []
+    for model in ("mlp", "cnn"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fedaval"):
+            build_run(tiny_config(plugins=["fedavg", DP], model=model, plugin_options={"dp": {"buffers": "drop"}}))
+        said.append([r.getMessage() for r in caplog.records if r.getMessage().startswith("dp.buffers=drop")])
+    assert said == [
+        ["dp.buffers=drop: the model shares no buffers (no BatchNorm statistics), so nothing is withheld"],
+        [],
+    ]

@@ -114,6 +114,18 @@ class DP(Plugin):
                 1 / clients,
                 clients,
             )
+        if self.options.buffers == "drop":
+            import torch
+
+            with torch.random.fork_rng(devices=[]):  # the run's models start as they would without this look
+                model = run.model(None)
+            keys = run.hook.fedaval_shared_keys(run=run, model=model) or []
+            if not buffer_keys(model, dict.fromkeys(keys)):
+                import logging
+
+                logging.getLogger("fedaval").warning(
+                    "dp.buffers=drop: the model shares no buffers (no BatchNorm statistics), so nothing is withheld"
+                )
         outside = [answer for answer in run.hook.fedaval_server_reads_client_data(run=run) if answer]
         if outside:
             raise FedavalUsageError(
