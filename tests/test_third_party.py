@@ -207,3 +207,32 @@ def test_a_hook_argument_the_spec_lacks_undecorated_options_and_a_taken_name_are
     assert "plugin 'undecorated': its Options is not a dataclass; decorate it with @dataclass" in line
     line = one_line_error(["train", "--plugins", "typos:NameClash", "--out", str(tmp_path / "c")])
     assert "plugin 'typos:NameClash' calls itself 'fedprox', the name of the installed plugin" in line
+
+
+def test_fedaval_traceback_shows_where_a_failing_client_hook_raised(tmp_path, monkeypatch):
+    """A client's failure is one line (with where the plugin raised it);
+    ``FEDAVAL_TRACEBACK=1`` prints the whole chain above it."""
+    (tmp_path / "raising.py").write_text(
+        textwrap.dedent(
+            """
+            from fedaval import hookimpl
+
+
+            class Boom:
+                name = "boom"
+
+                @hookimpl
+                def fedaval_client_loss(self, run, client, batch):
+                    raise ValueError("boom in my loss")
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["train", "--plugins", "raising:Boom", "--on-client-failure", "fail", "--quiet", "--rounds-per-task", "1"]
+    plain = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "a")])
+    assert plain.exit_code == 1 and "Traceback" not in plain.output
+    monkeypatch.setenv("FEDAVAL_TRACEBACK", "1")
+    shown = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "b")])
+    assert shown.exit_code == 1 and "Traceback" in shown.output
+    assert 'raising.py", line 10, in fedaval_client_loss' in shown.output
+    assert shown.output.rstrip().splitlines()[-1].startswith("fedaval: run stopped: client ")

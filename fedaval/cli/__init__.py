@@ -64,6 +64,7 @@ class FedavalGroup(click.Group):
             click.echo(f"fedaval: error: {exc}", err=True)
             ctx.exit(2)
         except RunFailure as exc:
+            show_traceback(exc)
             click.echo(f"fedaval: run stopped: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except RunInterrupted as exc:
@@ -77,6 +78,17 @@ class FedavalGroup(click.Group):
                 "fedaval: interrupted before the run's first round finished; its folder holds no results", err=True
             )
             ctx.exit(130)
+
+
+def show_traceback(exc: BaseException) -> None:
+    """With ``FEDAVAL_TRACEBACK=1``, the whole traceback of a run's failure
+    (and of what caused it: a client's, a worker's) before its one line: for
+    a plugin author following an error into their code."""
+    import os
+    import traceback
+
+    if os.environ.get("FEDAVAL_TRACEBACK", "") not in ("", "0"):
+        click.echo("".join(traceback.format_exception(exc)).rstrip(), err=True)
 
 
 @contextmanager
