@@ -178,6 +178,7 @@ def resume_training(
     from fedaval import checkpoint
     from fedaval.build import build_run
     from fedaval.config import RunConfig
+    from fedaval.evaluation import purge_from
 
     out_dir = Path(run_dir)
     where = f"--resume {str(out_dir)!r}"
@@ -201,6 +202,7 @@ def resume_training(
     config.out = str(out_dir)
     run = build_run(config, extra_plugins=extra_plugins, out_dir=out_dir)
     round, results = checkpoint.restore_latest(run)
+    purge_from(run, round + 1)
     if echo is not None:
         done = "already complete" if round >= run.total_rounds else f"resuming at round {round + 1}"
         echo(f"{out_dir}: checkpoint of round {round} of {run.total_rounds} loaded; {done}")

@@ -310,11 +310,54 @@ def new_results(run: Run) -> dict[str, Any]:
             **run.partition.summary,  # sthfl: samples_per_client, data_fraction_used, effective_imbalance
         },
         "plugins": run.plugins.names,
+        "options": resolved_options(run),
+        "fedaval_version": fedaval_version(),
         "federation_model": federation_model(run),
         "rounds": [],
         "tasks": [],
         "final": None,
     }
+
+
+def resolved_options(run: Run) -> dict[str, dict[str, Any]]:
+    """Every option of the run's plugins and its scenario as the run read it,
+    defaults included (config.json keeps what was given): what
+    ``fedaval report`` compares, so a default that changes between versions
+    (``fcl-random.tasks`` in session 34) cannot make two settings look one."""
+    import dataclasses
+
+    owners = {name: getattr(obj, "options", None) for name, obj in run.plugins.objects.items()}
+    owners[run.config.scenario] = run.scenario_options
+    return {
+        name: json.loads(json.dumps(dataclasses.asdict(options), default=str))
+        for name, options in owners.items()
+        if dataclasses.is_dataclass(options) and not isinstance(options, type)
+    }
+
+
+def fedaval_version() -> str:
+    """The installed package's version, and the commit of the source tree it
+    runs from when that is a git checkout (``0.1.0+g5dd2c22``)."""
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    try:
+        text = version("fedaval")
+    except PackageNotFoundError:
+        text = "unknown"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{text}+g{commit}" if commit else text
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,18 @@ def run_writer(run: Run):
     return writer
 
 
+def purge_from(run: Run, step: int) -> None:
+    """Tell TensorBoard to drop what earlier processes of this run logged at
+    ``step`` and after (what ``SummaryWriter(purge_step=step)`` writes): a
+    resumed run logs the rounds after its checkpoint again, and a run
+    interrupted later than its newest checkpoint had logged some of them."""
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+    writer = run_writer(run)._get_file_writer()
+    writer.add_event(Event(step=step, file_version="brain.Event:2"))
+    writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+
+
 def add_scalar(run: Run, tag: str, value: float, step: int) -> None:
     """Log scalar ``tag`` at ``step`` (the round). A round's scalars, the server's
     and every client's Avalanche metrics and the round's own figures, about

@@ -52,6 +52,7 @@ NOT_A_SETTING = (
     "download",
     "checkpoint_every",
     "keep_checkpoints",
+    "checkpoint_writer",
     "backend",
     "ray_address",
     "client_gpus",
@@ -114,10 +115,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("bwt", "BWT", _final("bwt"), "percent"),
     Metric("client_accuracy", "client acc", _final("mean_client_accuracy"), "percent"),
     Metric("average_client_accuracy", "avg client acc", _final("average_client_accuracy"), "percent"),
-    Metric("a_glo", "A_glo", _last_round_value("a_glo"), "percent"),
-    Metric("a_loc", "A_loc", _last_round_value("a_loc"), "percent"),
-    Metric("a_sel", "A_sel", _last_round_value("a_sel"), "percent"),
-    Metric("utility", "utility", _last_round_value("utility"), "percent"),
+    Metric("a_glo", "A_glo", _final("a_glo"), "percent"),
+    Metric("a_loc", "A_loc", _final("a_loc"), "percent"),
+    Metric("a_sel", "A_sel", _last_round_value("a_sel"), "percent"),  # the final block has no a_sel
+    Metric("utility", "utility", _final("utility"), "percent"),  # until session 35 the last round's U where missing
     Metric("efficiency", "E s/round", _final("efficiency"), "seconds"),
     Metric("bytes_up_per_round", "up/round", _per_round("bytes_up"), "bytes"),
     Metric("bytes_down_per_round", "down/round", _per_round("bytes_down"), "bytes"),
@@ -126,13 +127,49 @@ METRICS: tuple[Metric, ...] = (
 
 
 def _number(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
+    """A JSON number as a float; ``None`` for anything else (``null``: the
+    metric does not apply; a damaged value is refused when the run is loaded,
+    :func:`check_final`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(value) else value
+    return None if math.isnan(value) else float(value)
+
+
+#: the ``final`` entries the report reads
+FINAL_KEYS = (
+    "accuracy",
+    "average_accuracy",
+    "forgetting",
+    "bwt",
+    "mean_client_accuracy",
+    "average_client_accuracy",
+    "a_glo",
+    "a_loc",
+    "a_sel",
+    "utility",
+    "efficiency",
+)
+
+
+def check_final(results_file: Path, results: dict[str, Any]) -> None:
+    """A one-line error for a ``final`` entry the report reads that is
+    neither a number nor ``null`` (a string, a boolean, NaN): until session
+    35 such a run was silently left out of that column, or a numeric string
+    taken as a number."""
+    final = results.get("final")
+    if final is None:
+        return
+    if not isinstance(final, dict):
+        raise FedavalUsageError(f"{str(results_file)!r}: 'final' is a {type(final).__name__}, not an object")
+    for key in FINAL_KEYS:
+        value = final.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise FedavalUsageError(
+                f"{str(results_file)!r}: final.{key} is {value!r}, not a number or null; "
+                "the file is damaged: restore it, or rewrite it with fedaval train --resume RUN_DIR"
+            )
 
 
 # ---------------------------------------------------------------- loading runs
@@ -201,6 +238,7 @@ def load_run(path: str | Path) -> dict[str, Any]:
         raise FedavalUsageError(f"{str(results_file)!r} is not readable JSON ({exc})") from None
     if not isinstance(results, dict) or not isinstance(results.get("config"), dict) or "rounds" not in results:
         raise FedavalUsageError(f"{str(results_file)!r} is not a fedaval results file (no config/rounds)")
+    check_final(results_file, results)
     return results
 
 
@@ -225,26 +263,65 @@ def load_runs(paths: list[str | Path]) -> list[RunResult]:
 # ---------------------------------------------------------------- grouping
 
 
-def setting_of(config: dict[str, Any]) -> dict[str, Any]:
+def setting_of(config: dict[str, Any], resolved: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The configuration that makes an experiment, in one canonical form:
     scenario options given either way (``scenario_options`` or
-    ``-o <scenario>.key=``) are merged, and option values compared as text,
-    so ``clients = 2`` in a config file equals ``-o fcil-sync.clients=2``;
-    keys a run does not record take :class:`~fedaval.config.RunConfig`'s
-    defaults."""
+    ``-o <scenario>.key=``) are merged, and each option value is read as its
+    option's type reads it, options at their default left out
+    (:func:`_canonical_options`), so ``clients = 2`` in a config file equals
+    ``-o fcil-sync.clients=2`` and ``-o fedprox.mu=1e-2`` equals no ``mu``
+    at all; keys a run does not record take
+    :class:`~fedaval.config.RunConfig`'s defaults. ``resolved``: the options
+    as the run read them (results.json ``options``, since session 35), used
+    where present: a run written before has only what was given, read with
+    this version's defaults."""
     out = {**_defaults(), **config}
     out = {k: v for k, v in out.items() if k not in NOT_A_SETTING}
     options = {owner: dict(values) for owner, values in (config.get("plugin_options") or {}).items()}
     scenario = config.get("scenario")
     if config.get("scenario_options"):
         options.setdefault(scenario, {}).update(config["scenario_options"])
-    out["plugin_options"] = {
-        owner: {k: _as_text(v) for k, v in sorted(values.items())}
-        for owner, values in sorted(options.items())
-        if values
-    }
+    for owner, values in (resolved or {}).items():
+        options[owner] = {**options.get(owner, {}), **values}
+    canonical = {owner: _canonical_options(owner, values) for owner, values in sorted(options.items())}
+    out["plugin_options"] = {owner: values for owner, values in canonical.items() if values}
     out.pop("scenario_options", None)
     return out
+
+
+def _canonical_options(owner: str, values: dict[str, Any]) -> dict[str, str]:
+    """``owner``'s options as text, each value as its option type reads it
+    and options at their default left out, so ``-o fedprox.mu=1e-2``,
+    ``-o fedprox.mu=0.01`` and no ``mu`` at all are one setting; an owner
+    this installation does not know (a third party's plugin not installed
+    here), or values its options refuse, compare as given."""
+    text = {k: _as_text(v) for k, v in sorted(values.items())}
+    options_cls = _options_class(owner)
+    if options_cls is None:
+        return text
+    try:
+        from fedaval.options import build_options
+
+        given, default = build_options(options_cls, dict(values), owner=owner), options_cls()
+    except Exception:  # noqa: BLE001 - a value this version refuses: compare the text
+        return text
+    return {k: _as_text(getattr(given, k)) for k in text if getattr(given, k, None) != getattr(default, k, None)}
+
+
+def _options_class(owner: str) -> type | None:
+    """The options dataclass of the installed plugin or built-in scenario ``owner``."""
+    from fedaval.plugin_manager import installed_plugins
+    from fedaval.scenarios.registry import SCENARIOS
+
+    if owner in SCENARIOS:
+        return SCENARIOS[owner].Options
+    entry = installed_plugins().get(owner)
+    if entry is None:
+        return None
+    try:
+        return getattr(entry.load(), "Options", None)
+    except Exception:  # noqa: BLE001 - a plugin that does not import here: compare the text
+        return None
 
 
 def _defaults() -> dict[str, Any]:
@@ -253,6 +330,22 @@ def _defaults() -> dict[str, Any]:
     from fedaval.config import RunConfig
 
     return RunConfig().to_dict()
+
+
+def _filled(values: dict[str, Any]) -> dict[str, Any]:
+    """A config file's values with what a run records besides: the
+    per-dataset defaults of ``--lr``, ``--momentum`` and ``--local-epochs``."""
+    from fedaval.config import RunConfig
+
+    config = RunConfig.from_dict(values)
+    config.fill_defaults()
+    return {**values, **{k: getattr(config, k) for k in ("lr", "momentum", "local_epochs")}}
+
+
+def _texts(setting: dict[str, Any]) -> dict[str, Any]:
+    """A setting with every value as text (a config file's ``lr = 0.01`` and a
+    run's recorded ``0.01`` compare equal)."""
+    return {k: _texts(v) if isinstance(v, dict) else _as_text(v) for k, v in setting.items()}
 
 
 def _as_text(value: Any) -> str:
@@ -285,7 +378,7 @@ def group_runs(runs: list[RunResult]) -> list[Group]:
     group with the settings that tell it apart from the others."""
     groups: list[Group] = []
     for run in runs:
-        setting = setting_of(run.config)
+        setting = setting_of(run.config, run.results.get("options"))
         for group in groups:
             if group.setting == setting:
                 group.runs.append(run)
@@ -529,7 +622,8 @@ def pool(a: dict[str, str], b: dict[str, str]) -> dict[str, str]:
             f"different {', '.join(different)}: {[a[k] for k in different]} vs {[b.get(k) for k in different]}"
         )
     seeds_a, seeds_b = a.get("seeds", "").split(), b.get("seeds", "").split()
-    if not seeds_a or not seeds_b or set(seeds_a) & set(seeds_b):
+    bare = lambda seeds: {s.split("(")[0] for s in seeds}  # noqa: E731 - "3(21/50rounds)" is seed 3
+    if not seeds_a or not seeds_b or bare(seeds_a) & bare(seeds_b):
         raise ValueError(f"seeds must differ between batches, got {seeds_a} and {seeds_b}")
     out = dict(a)
     out["runs"] = str(int(a["runs"]) + int(b["runs"]))
@@ -570,30 +664,46 @@ class PaperRows:
     unmatched: list[str]
 
 
-def _row_expectation(base_plugins: list[str], args: str) -> tuple[list[str], dict[str, str]]:
-    """What a ``[paper.runs]`` row's arguments (``-p fedprox -o fedprox.mu=0.1``)
-    make of the config's run: its plugins and the plugin options it sets."""
+def _row_arguments(args: str) -> tuple[list[str] | None, dict[str, str], dict[str, Any]]:
+    """A ``[paper.runs]`` row's arguments (``-p fedprox -o fedprox.mu=0.1
+    --client-test train``) as ``(plugins or None, {owner.key: value},
+    {run setting: value})``."""
     import shlex
 
-    plugins, options = list(base_plugins), {}
+    plugins, options, flags = None, {}, {}
     words = shlex.split(args)
-    for flag, value in zip(words, words[1:]):
-        if flag in ("-p", "--plugins"):
+    for i, word in enumerate(words):
+        value = words[i + 1] if i + 1 < len(words) else None
+        if word in ("-p", "--plugins") and value is not None:
             plugins = [p.strip() for p in value.split(",") if p.strip()]
-        elif flag in ("-o", "--option"):
+        elif word in ("-o", "--option") and value is not None:
             key, _, raw = value.partition("=")
             options[key.strip()] = raw.strip()
-    return plugins, options
+        elif word.startswith("--") and word not in ("--plugins", "--option"):
+            name = word[2:].replace("-", "_")
+            flags[name] = True if value is None or value.startswith("-") else value
+    return plugins, options, flags
+
+
+#: what a paper row's runs may change at the CPU's scale or the paper's
+#: (``[paper.full-scale]``, and benchmarks/gpu_session.sh's ``--model``):
+#: the rest of the config file's setting must be the run's
+SCALED = ("model", "rounds_per_task", "local_epochs", "eval_every")
 
 
 def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
     """Match the rows of a config's ``[paper]`` table (``fedaval train --config``
     files in ``configs/`` carry one) to the groups of runs: a group is a
-    paper row when its plugins are the row's and, of the plugin options any
-    row sets, it sets exactly the row's values (``[paper.runs]`` gives each
-    row's arguments on top of the config's own run; ``[paper.full-scale.runs]``
-    a row's other arguments at the paper's scale, which match it too). Tables
-    ``[paper.<metric>]`` whose name is a report metric become columns."""
+    paper row when its setting is the config file's run with the row's
+    arguments (``[paper.runs]``; ``[paper.full-scale.runs]`` a row's other
+    arguments at the paper's scale, which match it too): its plugins, its
+    scenario, dataset and every other setting (:func:`setting_of`, each
+    plugin's and the scenario's options included), apart from what the two
+    scales change (:data:`SCALED`, and the settings ``[paper.full-scale]``
+    ``args`` set). Until session 35 only the plugins and the plugin options
+    some row names were compared, so digits runs were put beside a CIFAR-10
+    table. Tables ``[paper.<metric>]`` whose name is a report metric become
+    columns."""
     import tomllib
 
     from fedaval.config_file import full_scale_runs, read_paper_table
@@ -605,34 +715,41 @@ def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
         raise FedavalUsageError(f"--paper {str(path)!r} cannot be read ({exc.strerror})") from None
     except tomllib.TOMLDecodeError as exc:
         raise FedavalUsageError(f"--paper {str(path)!r} is not valid TOML: {exc}") from None
-    base_plugins = list(data.get("plugins") or ["fedavg"])
-    # the file's own option values: a row that sets none of them (``""``) runs with these
-    file_options = {
-        f"{owner}.{key}": _as_text(value)
-        for owner, values in (data.get("options") or {}).items()
-        for key, value in values.items()
-    }
     table = read_paper_table(path)
     if not table:
         raise FedavalUsageError(f"--paper {str(path)!r} has no [paper] table; see configs/repro-*.toml")
+    base = {k.replace("-", "_"): v for k, v in data.items() if k not in ("options", "paper", "seeds", "seed")}
+    base_plugins = list(base.pop("plugins", None) or ["fedavg"])
+    file_options = {owner: dict(values) for owner, values in (data.get("options") or {}).items()}
     runs = table.get("runs") or {}
+    scaled = set(SCALED) | set(_row_arguments(str((table.get("full-scale") or {}).get("args", "")))[2])
     # a row's runs at either scale are the row (its arguments at the paper's scale: full_scale_runs)
-    rows = [
-        (name, _row_expectation(base_plugins, args)) for name, args in [*runs.items(), *full_scale_runs(table).items()]
-    ]
-    mentioned = {key for _, (_, opts) in rows for key in opts}
-    expected = [
-        (name, plugins, {**{k: v for k, v in file_options.items() if k.split(".")[0] in plugins}, **opts})
-        for name, (plugins, opts) in rows  # a plugin the row replaced loses the file's options
-    ]
+    expected = []
+    for name, args in [*runs.items(), *full_scale_runs(table).items()]:
+        plugins, options, flags = _row_arguments(args)
+        plugins = plugins or base_plugins
+        row_options = {  # a plugin the row replaced loses the file's options
+            owner: dict(values)
+            for owner, values in file_options.items()
+            if owner in plugins or owner == {**base, **flags}.get("scenario", "fcil-sync")
+        }
+        for key, value in options.items():
+            owner, _, option = key.partition(".")
+            row_options.setdefault(owner, {})[option] = value
+        setting = setting_of({**_filled({**base, **flags}), "plugins": plugins, "plugin_options": row_options})
+        expected.append((name, {k: v for k, v in setting.items() if k not in scaled}))
     drop_default = lambda plugins: [p for p in plugins if p != "fedavg"] or ["fedavg"]  # noqa: E731
     names: dict[int, str] = {}
     for index, group in enumerate(groups):
-        flat = {k: _as_text(v) for k, v in _flatten(group.setting).items()}
-        for name, plugins, opts in expected:
-            if drop_default(list(group.setting.get("plugins") or [])) != drop_default(plugins):
+        for name, setting in expected:
+            # "auto" is recorded as what it chose for the dataset (fedaval.training.resolve_augment)
+            mine = {
+                k: v for k, v in group.setting.items() if k in setting and not (k == "augment" and setting[k] == "auto")
+            }
+            if drop_default(list(mine.get("plugins") or [])) != drop_default(list(setting.get("plugins") or [])):
                 continue
-            if all(flat.get(key) == opts.get(key) for key in mentioned):
+            theirs = {k: v for k, v in setting.items() if k in mine}
+            if _texts({**mine, "plugins": None}) == _texts({**theirs, "plugins": None}):
                 names[index] = name
                 break
     keys = {m.key for m in METRICS}
@@ -824,8 +941,9 @@ def write_report(
     images: list[Path] = []
     if figures:
         images.append(plot_accuracy_over_rounds(groups, out / "accuracy.png"))
-        for run in runs:
-            images.append(plot_accuracy_matrix(run, out / f"matrix-{_file_name(run.name)}.png"))
+        for run in runs:  # a run without a global model has no accuracy matrix (PFCL): no empty heatmap
+            if (run.results.get("final") or {}).get("accuracy_matrix"):
+                images.append(plot_accuracy_matrix(run, out / f"matrix-{_file_name(run.name)}.png"))
     legend = (
         "Accuracies, forgetting, BWT and utility in %, mean ± sample standard deviation over the runs "
         "of a row (runs that differ only in seed); E (computation + communication), bytes and seconds "

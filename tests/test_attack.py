@@ -23,7 +23,7 @@ FAST = {"iterations": "20", "every": "2"}
 def comparable(results):
     """results.json without what naming the attack plugin changes."""
     out = strip_timing(results)
-    for key in ("privacy", "plugins", "config"):
+    for key in ("privacy", "plugins", "config", "options"):
         out.pop(key, None)
     return out
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers import tiny_run_config
+from helpers import one_line_error, tiny_run_config
 from PIL import Image
 
 from fedaval.cli import cli
@@ -134,6 +134,28 @@ def test_settings_compare_by_value_whichever_way_given():
     assert setting_of(old) == setting_of(a)
 
 
+def test_an_option_compares_by_its_typed_value_and_its_default_by_absence():
+    """``mu=1e-2``, ``mu=0.01`` (fedprox's default) and no ``mu`` are one
+    setting (they were three rows of identical numbers); ``mu=0.5`` is
+    another. A run that records its options as read (results.json
+    ``options``) compares by them: a default given or not is the same."""
+    from fedaval.config import RunConfig
+
+    def prox(**options):
+        return RunConfig(plugins=["fedprox"], plugin_options={"fedprox": options} if options else {}).to_dict()
+
+    assert setting_of(prox(mu="1e-2")) == setting_of(prox(mu="0.01")) == setting_of(prox())
+    assert setting_of(prox(mu="0.5")) != setting_of(prox())
+    assert setting_of(prox(), {"fedprox": {"mu": 0.01}, "fcil-sync": {"clients": 3}}) == setting_of(prox())
+    assert setting_of(prox(), {"fedprox": {"mu": 0.5}}) == setting_of(prox(mu="0.5"))
+
+
+def test_results_record_every_option_as_the_run_read_it_and_the_version(runs):
+    recorded = results(runs["a-s1"])
+    assert recorded["options"]["fcil-sync"] == {"clients": 2, "tasks": 2, "alpha": 1.0}
+    assert recorded["fedaval_version"].startswith("0.")
+
+
 def test_how_a_run_was_executed_is_not_a_setting():
     """A run checkpointed every round and one on ``auto`` (or on Ray, or
     offloaded) give the same results: one row, not two (a reproduction
@@ -141,7 +163,9 @@ def test_how_a_run_was_executed_is_not_a_setting():
     from fedaval.config import RunConfig
 
     a = RunConfig(checkpoint_every=1).to_dict()
-    b = RunConfig(checkpoint_every="auto", keep_checkpoints=5, backend="ray", offload_clients="cpu").to_dict()
+    b = RunConfig(
+        checkpoint_every="auto", keep_checkpoints=5, checkpoint_writer="thread", backend="ray", offload_clients="cpu"
+    ).to_dict()
     assert setting_of(a) == setting_of(b)
 
 
@@ -155,17 +179,25 @@ def test_same_folder_names_are_told_apart(runs, tmp_path):
     assert len(group_runs(loaded)) == 1
 
 
+#: the setting of tiny_run_config as a config file's lines: what a paper row's runs must be
+TINY_SETTING = (
+    'dataset = "digits"\nscenario = "fcil-sync"\nlr = 0.01\nmomentum = 0.0\nbatch-size = 32\n'
+    "[options.fcil-sync]\nclients = 2\ntasks = 2\n"
+)
+
+
 def test_the_papers_numbers_stand_beside_the_measured_ones(runs, tmp_path):
     """``fedaval report --paper CONFIG`` matches runs to the [paper] table's rows
-    by the arguments of [paper.runs] and puts the paper's number beside each."""
+    by the arguments of [paper.runs] and puts the paper's number beside each;
+    runs of another setting (here another lr) are no row of the paper's, whatever
+    their plugins (until session 35 digits runs stood beside CIFAR-10's table)."""
     from fedaval.api import run_training
 
     prox = tmp_path / "prox"
     run_training(tiny_run_config(prox, seed=1, plugins=["fedprox"]))
     config = tmp_path / "paper.toml"
     config.write_text(
-        'plugins = ["fedprok"]\n'
-        '[paper]\nsource = "a table"\n'
+        'plugins = ["fedprok"]\n' + TINY_SETTING + '[paper]\nsource = "a table"\n'
         "[paper.final_accuracy]\nFedAvg = 18.45\nFedProx = 17.49\nFedProK = 64.34\n"
         '[paper.runs]\nFedAvg = "-p fedavg"\nFedProx = "-p fedprox"\nFedProK = ""\n'
     )
@@ -175,6 +207,7 @@ def test_the_papers_numbers_stand_beside_the_measured_ones(runs, tmp_path):
             "report",
             str(runs["a-s1"]),
             str(runs["a-s2"]),
+            str(runs["b-s1"]),
             str(prox),
             "--paper",
             str(config),
@@ -195,7 +228,11 @@ def test_the_papers_numbers_stand_beside_the_measured_ones(runs, tmp_path):
     import csv
 
     table = list(csv.DictReader((tmp_path / "rep" / "report.csv").open()))
-    assert {r["paper_row"]: r["method"] for r in table} == {"FedAvg": "fedavg", "FedProx": "fedprox"}
+    assert sorted((r["paper_row"], r["method"], r["setting"]) for r in table) == [
+        ("", "fedavg", "lr=0.05"),
+        ("FedAvg", "fedavg", "lr=0.01"),
+        ("FedProx", "fedprox", "lr=0.01"),
+    ]
 
 
 def test_a_rows_runs_at_the_papers_scale_are_that_row(tmp_path):
@@ -210,7 +247,7 @@ def test_a_rows_runs_at_the_papers_scale_are_that_row(tmp_path):
         )
     config = tmp_path / "paper.toml"
     config.write_text(
-        '[paper]\nsource = "a table"\n[paper.final_accuracy]\nFedProx = 17.49\n'
+        TINY_SETTING + '[paper]\nsource = "a table"\n[paper.final_accuracy]\nFedProx = 17.49\n'
         '[paper.runs]\nFedProx = "-p fedprox -o fedprox.mu=0.01"\n'
         '[paper.full-scale]\nargs = "--local-epochs 30"\n'
         '[paper.full-scale.runs]\nFedProx = "-p fedprox -o fedprox.mu=0.5"\n'
@@ -224,7 +261,47 @@ def test_a_rows_runs_at_the_papers_scale_are_that_row(tmp_path):
     assert result.exit_code == 0, result.output
     table = list(csv.DictReader((out / "report.csv").open()))
     assert sorted((r["setting"], r["paper_row"]) for r in table) == [
-        ("fedprox.mu=0.01", "FedProx"),
+        ("", "FedProx"),  # mu=0.01 is fedprox's default: the same setting as no mu at all
         ("fedprox.mu=0.2", ""),
         ("fedprox.mu=0.5", "FedProx"),
     ]
+
+
+@pytest.mark.parametrize("damage", ["0.5", True, float("nan"), [1]])
+def test_a_damaged_final_entry_is_a_one_line_error_not_a_silent_gap(runs, tmp_path, damage):
+    """A string was read as a number (E 0.20 instead of 0.04 in the audit);
+    a boolean or NaN left the run out of its column, a column no run had
+    vanished from the report; all with exit status 0."""
+    import shutil
+
+    copy = tmp_path / "damaged"
+    shutil.copytree(runs["a-s1"], copy)
+    data = results(copy)
+    data["final"]["efficiency"] = damage
+    (copy / "results.json").write_text(json.dumps(data))
+    line = one_line_error(["report", str(copy), "--no-figures", "--out-dir", str(tmp_path / "rep")])
+    assert f"final.efficiency is {damage!r}, not a number or null; the file is damaged" in line
+
+
+def test_utility_is_the_final_blocks_and_missing_stays_missing(runs, tmp_path):
+    """Until session 35 a missing ``final.utility`` was replaced, unmarked, by the
+    last round's U (another quantity: 40.89 against 34.98 in the audit)."""
+
+    from fedaval.report import METRICS
+
+    utility = next(m for m in METRICS if m.key == "utility")
+    data = results(runs["a-s1"])
+    assert utility.read(data) == data["final"]["utility"]
+    data["final"].pop("utility")
+    assert any(r.get("utility") is not None for r in data["rounds"])  # what was shown instead
+    assert utility.read(data) is None
+
+
+def test_a_run_without_a_global_model_gets_no_empty_accuracy_matrix(tmp_path):
+    from fedaval.api import run_training
+    from fedaval.report import write_report
+
+    run_training(tiny_run_config(tmp_path / "pfcl", plugins=["pfcl"]))
+    report = write_report([tmp_path / "pfcl"], tmp_path / "rep")
+    assert not list((tmp_path / "rep").glob("matrix-*.png"))  # it was a blank 1x1 heatmap
+    assert (tmp_path / "rep" / "accuracy.png") in report.files

@@ -198,6 +198,10 @@ def test_committed_reports_reads_every_batch_and_pools_a_row_over_batches(tmp_pa
     (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedavg,,1,3,r3,0.2,,1\n")
     with pytest.raises(ValueError, match="'FedAvg'.*seeds must differ"):
         committed_reports(tmp_path)
+    # a seed marked incomplete in one batch is still that seed (it was pooled as another run)
+    (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedavg,,1,3(21/50rounds),r3,0.2,,1\n")
+    with pytest.raises(ValueError, match="'FedAvg'.*seeds must differ"):
+        committed_reports(tmp_path)
     (tmp_path / "session5" / "report.csv").write_text(header + "FedAvg,fedprox,,1,9,r9,0.2,,1\n")
     with pytest.raises(ValueError, match="different method"):
         committed_reports(tmp_path)

@@ -216,7 +216,8 @@ def cli() -> None:
     default=1,
     show_default=True,
     type=int,
-    help="Evaluate every N rounds (and always at the end of each task).",
+    help="Evaluate every N rounds (and always at the end of each task). Evaluation draws from the clients' "
+    "random streams, so another N is another sample of the training, as another seed is (docs/report.md).",
 )
 @click.option(
     "--client-test",
