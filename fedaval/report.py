@@ -731,7 +731,7 @@ def match_paper(path: str | Path, groups: list[Group]) -> PaperRows:
         row_options = {  # a plugin the row replaced loses the file's options
             owner: dict(values)
             for owner, values in file_options.items()
-            if owner in plugins or owner == {**base, **flags}.get("scenario", "fcil-sync")
+            if owner in plugins or owner == {**_defaults(), **base, **flags}["scenario"]
         }
         for key, value in options.items():
             owner, _, option = key.partition(".")
@@ -898,6 +898,9 @@ def grouping_text(groups: list[Group]) -> str:
             x for x in (g.method, str(g.setting.get("scenario", "")), str(g.setting.get("dataset", "")), g.label) if x
         )
         lines.append(f"{head}: " + ", ".join(str(r.path) for r in g.runs))
+        versions = sorted({str(r.results.get("fedaval_version", "before session 35")) for r in g.runs})
+        if len(versions) > 1:  # a metric's definition may have changed between them (docs/report.md)
+            lines.append(f"{head}: runs of fedaval versions {', '.join(versions)}")
     return "\n".join(lines)
 
 

@@ -305,3 +305,13 @@ def test_a_run_without_a_global_model_gets_no_empty_accuracy_matrix(tmp_path):
     report = write_report([tmp_path / "pfcl"], tmp_path / "rep")
     assert not list((tmp_path / "rep").glob("matrix-*.png"))  # it was a blank 1x1 heatmap
     assert (tmp_path / "rep" / "accuracy.png") in report.files
+
+
+def test_a_row_of_runs_from_different_fedaval_versions_says_so(runs):
+    from fedaval.report import grouping_text
+
+    loaded = load_runs([runs["a-s1"], runs["a-s2"]])
+    assert "versions" not in grouping_text(group_runs(loaded))
+    loaded[1].results = {k: v for k, v in loaded[1].results.items() if k != "fedaval_version"}
+    text = grouping_text(group_runs(loaded))
+    assert f"runs of fedaval versions {loaded[0].results['fedaval_version']}, before session 35" in text
