@@ -223,6 +223,8 @@ def metric_values(plugin: str, values: Any) -> dict[str, Any]:
     out); anything else is a :class:`~fedaval.errors.PluginError` naming the
     plugin, where it was a traceback in the JSON writer, or a string written
     to results.json that TensorBoard dropped."""
+    import numbers
+
     import torch
 
     from fedaval.errors import PluginError
@@ -235,12 +237,13 @@ def metric_values(plugin: str, values: Any) -> dict[str, Any]:
     for key, value in values.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise PluginError(
                 f"plugin {plugin!r}: fedaval_round_metrics returned {key!r} = {value!r:.40}; "
                 "expected a number (or None)"
             )
-        out[key] = value
+        # a NumPy scalar as the JSON number it stands for
+        out[key] = value if value is None else int(value) if isinstance(value, numbers.Integral) else float(value)
     return out
 
 

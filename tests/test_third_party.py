@@ -165,11 +165,15 @@ def test_a_plugin_returning_what_the_core_cannot_use_stops_the_run_naming_it(tin
         run_training(tiny_config(on_client_failure="fail", checkpoint_every=1), extra_plugins=[plugin])
 
 
-def test_a_one_element_tensor_metric_is_written_as_a_number(tiny_config):
+def test_a_one_element_tensor_metric_is_written_as_a_number(tiny_config, tmp_path):
+    import numpy as np
+
     from fedaval.api import run_training
 
     results = run_training(tiny_config(), extra_plugins=[Metrics(torch.tensor(1.5))])
     assert results["rounds"][0]["plugin_metrics"]["metrics"] == {"m": 1.5}
+    results = run_training(tiny_config(out=tmp_path / "np"), extra_plugins=[Metrics(np.float32(2.5))])  # a NumPy scalar
+    assert results["rounds"][0]["plugin_metrics"]["metrics"] == {"m": 2.5}
 
 
 def test_a_hook_argument_the_spec_lacks_undecorated_options_and_a_taken_name_are_one_line_errors(tmp_path, monkeypatch):
