@@ -650,12 +650,16 @@ def test_a_second_ctrl_c_while_an_interrupted_run_stops_is_ignored(tiny_config, 
     from fedaval.api import run_training
     from fedaval.errors import RunInterrupted
 
-    before = signal.getsignal(signal.SIGINT)
-    probe = InterruptTwice()
-    with pytest.raises(RunInterrupted, match="interrupted"):
-        run_training(tiny_config(out=tmp_path / "run"), extra_plugins=[probe])
-    assert probe.handler_at_teardown is signal.SIG_IGN
-    assert signal.getsignal(signal.SIGINT) is before  # put back once the run has stopped
+    # Ctrl-C as Python's default (an earlier test of the session may have left another handler)
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        probe = InterruptTwice()
+        with pytest.raises(RunInterrupted, match="interrupted"):
+            run_training(tiny_config(out=tmp_path / "run"), extra_plugins=[probe])
+        assert probe.handler_at_teardown is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back once the run stopped
+    finally:
+        signal.signal(signal.SIGINT, outside)
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["status"]["state"] == "interrupted" and results["status"]["rounds_done"] == 1
 
