@@ -10,6 +10,7 @@ the caller's choice, passed to :func:`fedaval.coordinator.train`.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +30,8 @@ from fedaval.run import Run
 from fedaval.scenarios.partition import Partition
 from fedaval.server import Server
 from fedaval.training import black, check_compile, check_precision, resolve_augment
+
+log = logging.getLogger("fedaval")
 
 
 def build_run(config: RunConfig, extra_plugins: Sequence[Any] = (), out_dir: Path | None = None) -> Run:
@@ -168,9 +171,7 @@ def warn_idle_speed_options(run: Run) -> None:
     """Warnings for options that cannot act in this run, though allowed in
     it: a learning-rate schedule over a single round (it changes the rate
     between rounds), ``--channels-last`` on a model without a convolution."""
-    import logging
-
-    config, log = run.config, logging.getLogger("fedaval")
+    config = run.config
     if config.lr_schedule != "constant" and len(run.schedule) <= 1:
         log.warning(
             "--lr-schedule %s changes the learning rate between rounds; this run has %d round, so it trains at --lr",
@@ -188,9 +189,7 @@ def warn_empty_clients(partition: Partition, scenario: str) -> None:
     client metric."""
     empty = [k for k, c in enumerate(partition.clients) if not any(len(i) for i in c.indices)]
     if empty:
-        import logging
-
-        logging.getLogger("fedaval").warning(
+        log.warning(
             "%d of the %d clients of %s have no training sample in any task (first: client %d): they never train",
             len(empty),
             len(partition.clients),

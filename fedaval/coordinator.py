@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -338,9 +339,11 @@ def resolved_options(run: Run) -> dict[str, dict[str, Any]]:
     }
 
 
+@functools.cache
 def fedaval_version() -> str:
     """The installed package's version, and the commit of the source tree it
-    runs from when that is a git checkout (``0.1.0+g5dd2c22``)."""
+    runs from when that is a git checkout (``0.1.0+g5dd2c22``); asked once a
+    process (``--seeds`` runs several)."""
     import subprocess
     from importlib.metadata import PackageNotFoundError, version
     from pathlib import Path

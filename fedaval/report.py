@@ -27,6 +27,7 @@ stages' ends). What each column is, with its source: docs/report.md.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -308,8 +309,10 @@ def _canonical_options(owner: str, values: dict[str, Any]) -> dict[str, str]:
     return {k: _as_text(getattr(given, k)) for k in text if getattr(given, k, None) != getattr(default, k, None)}
 
 
+@functools.cache
 def _options_class(owner: str) -> type | None:
-    """The options dataclass of the installed plugin or built-in scenario ``owner``."""
+    """The options dataclass of the installed plugin or built-in scenario
+    ``owner`` (looked up once: every run and every paper row asks)."""
     from fedaval.plugin_manager import installed_plugins
     from fedaval.scenarios.registry import SCENARIOS
 

@@ -397,10 +397,11 @@ def dump(
 
 
 def _unpicklable_plugin_attribute(obj: Any) -> str:
-    """``"; plugin 'x' attribute 'lock'"``: the first plugin state entry a
-    plain pickle refuses, when ``obj`` is a checkpoint's objects (its
-    ``"plugins"``: name -> state dict); ``""`` otherwise. Plugin attributes are
-    pickled into every checkpoint (:meth:`fedaval.plugin.Plugin.state_dict`)."""
+    """``"; plugin 'x' holds it in attribute 'lock' (...)"``: the first plugin
+    state entry a plain pickle refuses, when ``obj`` is a checkpoint's objects
+    (its ``"plugins"``: name -> state dict); ``""`` otherwise. Plugin
+    attributes are pickled into every checkpoint
+    (:meth:`fedaval.plugin.Plugin.state_dict`)."""
     plugins = obj.get("plugins") if isinstance(obj, dict) else None
     for name, saved in (plugins or {}).items():
         for key, value in saved.items() if isinstance(saved, dict) else []:

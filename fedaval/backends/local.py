@@ -135,11 +135,14 @@ def raised_in_plugin(exc: BaseException) -> str:
     import traceback
     from pathlib import Path
 
+    import avalanche
+    import pluggy
+
     import fedaval
 
     core = Path(fedaval.__file__).parent
     libraries = [Path(sysconfig.get_paths()["stdlib"])] + [
-        Path(m.__file__).parent for m in (torch, __import__("pluggy"), __import__("avalanche")) if m.__file__
+        Path(m.__file__).parent for m in (torch, pluggy, avalanche) if m.__file__
     ]
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         path = Path(frame.filename)
