@@ -13,7 +13,16 @@ from typing import Any
 from fedaval import checkpoint
 from fedaval.atomic import atomic_write_json
 from fedaval.backends.local import Backend, ClientRound, LocalBackend
-from fedaval.errors import NO_ROOM, DiskFull, FedavalUsageError, RunFailure, RunInterrupted, RunStopped
+from fedaval.errors import (
+    NO_ROOM,
+    DiskFull,
+    FedavalUsageError,
+    PluginError,
+    RunFailure,
+    RunInterrupted,
+    RunStopped,
+    implementers,
+)
 from fedaval.evaluation import (
     STREAM_ACC,
     STREAM_BWT,
@@ -160,11 +169,17 @@ def run_round(run: Run, round: int, backend: Backend | None = None) -> dict[str,
 def client_extras(run: Run, client_id: int, download: dict[str, Any]) -> dict[str, Any]:
     """What ``fedaval_server_download`` adds to the broadcast for this client."""
     extra = merge_entries(
-        run.hook.fedaval_server_download(run=run, client=run.clients[client_id], download=download), "download"
+        run.hook.fedaval_server_download(run=run, client=run.clients[client_id], download=download),
+        "download",
+        run.pm,
+        "fedaval_server_download",
     )
     clash = sorted(set(extra) & set(download))
     if clash:
-        raise RuntimeError(f"fedaval_server_download may not replace broadcast entries: {', '.join(clash)}")
+        raise PluginError(
+            f"fedaval_server_download may not replace broadcast entries: {', '.join(clash)} "
+            f"(implemented by {implementers(run.pm, 'fedaval_server_download')})"
+        )
     return extra
 
 
@@ -227,8 +242,6 @@ def metric_values(plugin: str, values: Any) -> dict[str, Any]:
     import numbers
 
     import torch
-
-    from fedaval.errors import PluginError
 
     if not isinstance(values, dict):
         raise PluginError(

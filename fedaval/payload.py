@@ -140,20 +140,27 @@ class FiniteCheck:
                 raise FloatingPointError(f"{path} holds {value if isinstance(value, float) else 'non-finite values'}")
 
 
-def merge_entries(results: list[dict[str, Any] | None], what: str) -> dict[str, Any]:
+def merge_entries(results: list[dict[str, Any] | None], what: str, pm: Any = None, hook: str = "") -> dict[str, Any]:
     """Merge hook results ``[{entry: value}, ...]``; a result that is not a
     dict, or an entry named twice, is a bug in a plugin
-    (:class:`~fedaval.errors.PluginError`)."""
-    from fedaval.errors import PluginError
+    (:class:`~fedaval.errors.PluginError`, naming the plugins that implement
+    ``hook`` when the plugin manager ``pm`` is given: pluggy's results do not
+    say which plugin returned which)."""
+    from fedaval.errors import PluginError, implementers
+
+    def by() -> str:
+        return f" ({hook} is implemented by {implementers(pm, hook)})" if pm is not None else ""
 
     merged: dict[str, Any] = {}
     for result in results:
         if not result:
             continue
         if not isinstance(result, dict):
-            raise PluginError(f"a plugin's {what} hook returned a {type(result).__name__}; expected a dict of entries")
+            raise PluginError(
+                f"a plugin's {what} hook returned a {type(result).__name__}; expected a dict of entries{by()}"
+            )
         for key, value in result.items():
             if key in merged:
-                raise PluginError(f"two plugins return the {what} entry {key!r}")
+                raise PluginError(f"two plugins return the {what} entry {key!r}{by()}")
             merged[key] = value
     return merged

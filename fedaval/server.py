@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fedaval.errors import RunFailure
+from fedaval.errors import PluginError, RunFailure, implementers
 from fedaval.payload import Upload, check_finite, copy_into, merge_entries
 from fedaval.strategy import FederatedStrategy
 
@@ -88,9 +88,17 @@ class Server:
                 state = self.model.state_dict()
                 check_fused(self.run, new, state)
                 copy_into([state[key] for key in new], list(new.values()))
-        self.extras = merge_entries(hook.fedaval_server_fuse(run=self.run, uploads=uploads, round=round), "download")
+        self.extras = merge_entries(
+            hook.fedaval_server_fuse(run=self.run, uploads=uploads, round=round),
+            "download",
+            self.run.pm,
+            "fedaval_server_fuse",
+        )
         if "weights" in self.extras:
-            raise RuntimeError("fedaval_server_fuse may not return 'weights'; implement fedaval_server_fuse_weights")
+            raise PluginError(
+                "fedaval_server_fuse may not return 'weights'; implement fedaval_server_fuse_weights "
+                f"(fedaval_server_fuse is implemented by {implementers(self.run.pm, 'fedaval_server_fuse')})"
+            )
 
     def evaluate(self) -> dict[str, Any]:
         exps = [self.test_stream[t] for t in self.tasks_started if self.test_stream[t] is not None]
@@ -113,7 +121,6 @@ def check_fused(run: Run, new: dict[str, Any], state: dict[str, Any]) -> None:
     """A :class:`~fedaval.errors.PluginError` for fused weights the global
     model has no key for, or of another shape: copied in, a one-element
     tensor would be broadcast over a whole weight, silently."""
-    from fedaval.errors import PluginError, implementers
 
     for key, value in new.items():
         known = state.get(key)

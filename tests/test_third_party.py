@@ -165,6 +165,54 @@ def test_a_plugin_returning_what_the_core_cannot_use_stops_the_run_naming_it(tin
         run_training(tiny_config(on_client_failure="fail", checkpoint_every=1), extra_plugins=[plugin])
 
 
+class FusesProtos:
+    """A server-fusion plugin returning the download entry ``protos``."""
+
+    def __init__(self, name):
+        self.name = name
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        return {"protos": torch.zeros(2)}
+
+
+class FusesWeights:
+    name = "fusesweights"
+
+    @hookimpl
+    def fedaval_server_fuse(self, run, uploads, round):
+        return {"weights": {}}
+
+
+class ReplacesWeights:
+    name = "replacesweights"
+
+    @hookimpl
+    def fedaval_server_download(self, run, client, download):
+        return {"weights": {}}
+
+
+@pytest.mark.parametrize(
+    "plugins, message",
+    [
+        (
+            [FusesProtos("one"), FusesProtos("two")],
+            r"two plugins return the download entry 'protos' \(fedaval_server_fuse is implemented by 'one', 'two'\)",
+        ),
+        ([FusesWeights()], r"may not return 'weights'; .*\(fedaval_server_fuse is implemented by 'fusesweights'\)"),
+        ([ReplacesWeights()], r"may not replace broadcast entries: weights \(implemented by 'replacesweights'\)"),
+    ],
+)
+def test_clashing_entries_stop_the_run_naming_the_plugins_that_could_have_returned_them(tiny_config, plugins, message):
+    """pluggy's results do not say which plugin returned which: the error
+    names the hook's implementers (before: no plugin named, or a traceback)."""
+    from fedaval.api import run_training
+    from fedaval.errors import PluginError
+
+    with pytest.raises(PluginError, match=message):
+        run_training(tiny_config(), extra_plugins=plugins)
+
+
 def test_a_one_element_tensor_metric_is_written_as_a_number(tiny_config, tmp_path):
     import numpy as np
 

@@ -92,7 +92,9 @@ def client_round(
             client.task = run.now.task
             client.receive({**download, **extra} if extra else download)
             losses = hook.fedaval_client_train(run=run, client=client, round=round) or {}
-            entries = merge_entries(hook.fedaval_client_upload(run=run, client=client), "upload")
+            entries = merge_entries(
+                hook.fedaval_client_upload(run=run, client=client), "upload", run.pm, "fedaval_client_upload"
+            )
             check = FiniteCheck(entries, "upload")
         except FedavalUsageError:
             raise  # a plugin misused (a clashing loss-term name): the same in every client, not a client failure
