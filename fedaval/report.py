@@ -40,11 +40,20 @@ from typing import Any
 
 from fedaval.errors import FedavalUsageError
 
-#: Configuration keys that do not make two runs different experiments.
 #: Configuration keys that do not make a different experiment: where the
 #: run went and how it was executed. The backends, offloading, data paths
 #: and checkpoint schedules give identical results (tests/test_ray_backend.py,
-#: test_offload.py, test_device_data.py, test_checkpoint.py).
+#: test_offload.py, test_device_data.py, test_checkpoint.py); the device and
+#: the GPU execution paths (CUDA graphs, streams, stacked clients,
+#: torch.compile, channels-last, deterministic kernels) compute the same
+#: maths, equal up to the last bits of float rounding (test_cuda_graphs.py,
+#: test_client_streams.py, test_stacked.py, test_compile.py,
+#: test_precision.py), as two GPUs are; the failure policy changes nothing
+#: in a run no client failed in (``failed_clients`` says which did).
+#: ``precision`` is a setting: bf16
+#: rounds every activation to 8 bits of mantissa. Until session 36 the GPU
+#: paths counted as settings, so ``--paper`` put no paper number beside the
+#: full-scale runs (benchmarks/gpu_session.sh passes ``--cuda-graphs``).
 NOT_A_SETTING = (
     "seed",
     "out",
@@ -60,6 +69,14 @@ NOT_A_SETTING = (
     "offload_clients",
     "data_path",
     "host_memory",
+    "deterministic",
+    "cuda_graphs",
+    "cuda_graph_scope",
+    "client_streams",
+    "stack_clients",
+    "compile",
+    "channels_last",
+    "on_client_failure",
 )
 
 
@@ -352,6 +369,9 @@ def _texts(setting: dict[str, Any]) -> dict[str, Any]:
 
 
 def _as_text(value: Any) -> str:
+    """``value`` as a command line writes it: ``false``, ``0.5``, ``1,2``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, (list, tuple)):
         return ",".join(_as_text(v) for v in value)
     if isinstance(value, float) and value.is_integer():

@@ -267,6 +267,51 @@ def test_a_rows_runs_at_the_papers_scale_are_that_row(tmp_path):
     ]
 
 
+def test_the_gpu_execution_paths_are_the_same_setting_and_bf16_is_not(tmp_path):
+    """The GPU paths (CUDA graphs, streams, stacked clients, compile,
+    channels-last, deterministic kernels) compute the same maths: a run made
+    with them is its paper row and pools with the plain run. Until session 36
+    ``--cuda-graphs``, which benchmarks/gpu_session.sh always passes, kept
+    every full-scale run from its paper row. bf16 is another setting."""
+    import shutil
+
+    from fedaval.api import run_training
+
+    run_training(tiny_run_config(tmp_path / "plain", seed=1, plugins=["fedprox"]))
+    flags = {
+        "cuda_graphs": True,
+        "cuda_graph_scope": "step",
+        "client_streams": 4,
+        "stack_clients": True,
+        "compile": "inductor",
+        "channels_last": True,
+        "deterministic": True,
+        "on_client_failure": "fail",
+    }
+    for name, changes in [("gpu", {**flags, "device": "cuda", "seed": 2}), ("bf16", {"precision": "bf16", "seed": 3})]:
+        shutil.copytree(tmp_path / "plain", tmp_path / name)
+        data = results(tmp_path / name)
+        data["config"] = {**data["config"], **changes}
+        (tmp_path / name / "results.json").write_text(json.dumps(data))
+    paper = tmp_path / "paper.toml"
+    paper.write_text(
+        TINY_SETTING + '[paper]\nsource = "a table"\n[paper.final_accuracy]\nFedProx = 17.49\n'
+        '[paper.runs]\nFedProx = "-p fedprox"\n'
+    )
+    out = tmp_path / "rep"
+    result = CliRunner().invoke(
+        cli,
+        ["report", *(str(tmp_path / n) for n in ("plain", "gpu", "bf16")), "--paper", str(paper), "--no-figures"]
+        + ["--out-dir", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    table = list(csv.DictReader((out / "report.csv").open()))
+    assert sorted((r["setting"], r["paper_row"], r["final_accuracy_n"]) for r in table) == [
+        ("precision=bf16", "", "1"),
+        ("precision=fp32", "FedProx", "2"),
+    ]
+
+
 @pytest.mark.parametrize("damage", ["0.5", True, float("nan"), [1]])
 def test_a_damaged_final_entry_is_a_one_line_error_not_a_silent_gap(runs, tmp_path, damage):
     """A string was read as a number (E 0.20 instead of 0.04 in the audit);
