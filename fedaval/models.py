@@ -141,7 +141,8 @@ class _BasicBlock(nn.Module):
 
 def cifar_resnet(input_shape, num_classes: int, blocks: tuple[int, int, int, int]) -> SplitModel:
     """A ResNet of basic blocks with the CIFAR stem (3x3 conv, stride 1, no
-    max-pool), as the papers use; ``blocks`` per stage of 64, 128, 256, 512
+    max-pool), the usual choice for 32x32 images (the papers name ResNet-18/34
+    but not the stem: fedaval's reading, docs/reproduction.md); ``blocks`` per stage of 64, 128, 256, 512
     channels; 512-d features."""
     layers: list[nn.Module] = [nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
     cin = 64
