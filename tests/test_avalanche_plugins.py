@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import pytest
 from click.testing import CliRunner
+from helpers import one_line_error
 
 from fedaval import hookimpl
 from fedaval.build import build_run
@@ -16,6 +17,7 @@ from fedaval.cli import cli
 from fedaval.coordinator import train
 from fedaval.errors import FedavalUsageError
 from fedaval.plugin_manager import instantiate, resolve_plugin
+from fedaval.plugins.avalanche_bridge import CHECKED, REFUSED, available_avalanche_plugins
 
 
 def run_with(config, extra=()):
@@ -95,8 +97,29 @@ def test_generic_path_options_are_typed_from_the_constructor():
             {"lambda_reg": "abc"},
             "bad value avalanche.lambda_reg='abc'; expected a finite number",
         ),
-        ("avalanche:LFLPlugin", {}, "bad value avalanche.lambda_e=(required); required by the Avalanche"),
-        ("avalanche:NoSuchPlugin", {}, "unknown Avalanche plugin 'NoSuchPlugin'; allowed: AGEMPlugin,"),
+        ("avalanche:EWCPlugin", {}, "bad value avalanche.ewc_lambda=(required); required by the Avalanche"),
+        # the unknown-class error lists the usable classes only (BiC is refused)
+        ("avalanche:NoSuchPlugin", {}, "unknown Avalanche plugin 'NoSuchPlugin'; allowed: AGEMPlugin, EWCPlugin,"),
+        # until session 36 each of these was accepted, then ended in a traceback or a late crash
+        ("avalanche:EWCPlugin", {"ewc_lambda": "none"}, "bad value avalanche.ewc_lambda='none'; expected a finite"),
+        ("avalanche:SynapticIntelligencePlugin", {"si_lambda": "none"}, "bad value avalanche.si_lambda='none';"),
+        (
+            "avalanche:EWCPlugin",
+            {"ewc_lambda": "1", "mode": "foo"},
+            "avalanche:EWCPlugin refuses its options (ewc_lambda=1, mode='foo'): Mode must be separate or online.",
+        ),
+        (
+            "avalanche:EWCPlugin",
+            {"ewc_lambda": "1", "mode": "online"},
+            "avalanche:EWCPlugin refuses its options (ewc_lambda=1, mode='online'): You need to set `decay_factor`",
+        ),
+        ("avalanche:RWalkPlugin", {"delta_t": "0"}, "refuses its options (delta_t=0): `delta_t` must be at least 1."),
+        ("avalanche:ReplayPlugin", {"mem_size": "-5"}, "bad value avalanche.mem_size=-5; must be >= 1"),
+        (
+            "avalanche:AGEMPlugin",
+            {"patterns_per_experience": "5", "sample_size": "0"},
+            "bad value avalanche.sample_size=0; must be >= 1",
+        ),
         # accepted until session 34, failing in round 2 or running with a meaningless decay
         ("fedreplay", {"batch_size_mem": "-1"}, "bad value fedreplay.batch_size_mem=-1; must be >= 1"),
         ("fedewc", {"mode": "online", "decay_factor": "-1"}, "bad value fedewc.decay_factor=-1.0; must be in [0, 1]"),
@@ -108,6 +131,82 @@ def test_generic_path_errors_are_one_line(spec, values, message):
         instantiate(name, cls, values)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("class_name", sorted(REFUSED))
+def test_classes_that_cannot_work_federated_are_refused_at_load_saying_why(class_name):
+    with pytest.raises(FedavalUsageError) as info:
+        resolve_plugin(f"avalanche:{class_name}")
+    assert str(info.value) == f"avalanche:{class_name} cannot run in fedaval: {REFUSED[class_name]}"
+    assert "\n" not in str(info.value)
+
+
+def test_every_avalanche_training_plugin_is_checked_or_refused():
+    assert sorted([*CHECKED, *REFUSED]) == available_avalanche_plugins()
+
+
+def test_a_refused_class_is_a_one_line_usage_error_on_the_command_line(tmp_path):
+    line = one_line_error(["train", "--plugins", "avalanche:LRSchedulerPlugin", "--out", str(tmp_path / "r")])
+    assert line == (
+        "fedaval: error: avalanche:LRSchedulerPlugin cannot run in fedaval: "
+        "fedaval sets every round's learning rate; use --lr-schedule"
+    )
+
+
+def test_a_class_fedaval_has_not_checked_runs_with_a_warning(monkeypatch, caplog):
+    from fedaval.plugins import avalanche_bridge
+
+    monkeypatch.setattr(avalanche_bridge, "CHECKED", ("EWCPlugin",))
+    name, cls = resolve_plugin("avalanche:MASPlugin")
+    with caplog.at_level("WARNING", logger="fedaval"):
+        instantiate(name, cls, {})
+    assert "avalanche:MASPlugin has not been checked under federation (checked: EWCPlugin)" in caplog.text
+
+
+def test_an_unannotated_int_default_takes_a_float_unless_it_counts():
+    name, cls = resolve_plugin("avalanche:LwFPlugin")
+    plugin = instantiate(name, cls, {"alpha": "0.5", "temperature": "1.5"})  # an int until session 36
+    assert plugin.avalanche_kwargs() == {"alpha": 0.5, "temperature": 1.5}
+    assert instantiate(name, cls, {"alpha": "2"}).avalanche_kwargs()["alpha"] == 2
+    name, cls = resolve_plugin("avalanche:ReplayPlugin")
+    with pytest.raises(FedavalUsageError, match=r"bad value avalanche.mem_size='2.5'; expected int"):
+        instantiate(name, cls, {"mem_size": "2.5"})
+
+
+def test_two_generic_plugins_are_refused_before_their_options_are_read():
+    from fedaval.plugin_manager import get_plugin_manager, load_plugins
+
+    with pytest.raises(FedavalUsageError) as info:  # was: unknown option avalanche.ewc_lambda (checked against MAS)
+        load_plugins(
+            get_plugin_manager(), ["avalanche:MASPlugin", "avalanche:EWCPlugin"], {"avalanche": {"ewc_lambda": "1"}}
+        )
+    assert str(info.value) == (
+        "plugin name 'avalanche' is loaded twice (from 'avalanche:EWCPlugin'); one avalanche:<Class> plugin per run"
+    )
+
+
+def test_a_class_needing_an_object_argument_cannot_be_built():
+    from fedaval.plugins.avalanche_bridge import constructor_options
+
+    class NeedsAModel:
+        def __init__(self, model, cwr_layer_name=None, decay_factor=None, scale=1):
+            pass
+
+    with pytest.raises(FedavalUsageError) as info:
+        constructor_options(NeedsAModel)
+    assert str(info.value) == (
+        "avalanche:NeedsAModel cannot run in fedaval: its constructor needs 'model', an object a command line cannot give"
+    )
+
+
+def test_fedaval_plugins_lists_the_checked_avalanche_classes_with_their_options():
+    result = CliRunner().invoke(cli, ["plugins"])
+    assert result.exit_code == 0
+    assert "avalanche:EWCPlugin  Avalanche's EWCPlugin on every client (generic bridge)" in result.output
+    assert "-o avalanche.ewc_lambda=(required)  (a finite number)" in result.output
+    assert "-o avalanche.mem_size=200  (int, >= 1)" in result.output
+    assert "refused (docs/methods.md says why): avalanche:BiCPlugin," in result.output
+    assert "avalanche:BiCPlugin  " not in result.output
 
 
 def test_generic_path_cli_error(tmp_path):
