@@ -5,9 +5,11 @@ experience (end-of-task work once per task, at the client's last round)."""
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import pytest
+import torch
 from click.testing import CliRunner
 from helpers import one_line_error
 
@@ -44,6 +46,7 @@ def count_calls(monkeypatch, cls, method):
     calls = defaultdict(list)
     original = getattr(cls, method)
 
+    @functools.wraps(original)  # its __module__ too: the strategy runs Avalanche's before_training once per task
     def wrapped(self, strategy, **kwargs):
         calls[id(self)].append((strategy.run.round, strategy.clock.train_exp_counter))
         return original(self, strategy, **kwargs)
@@ -78,6 +81,135 @@ def test_generic_mas_plugin_does_its_end_of_task_work_once_per_task(tiny_config,
     for record in results["rounds"]:
         extra = record["losses"]["loss/total"] - record["losses"]["loss/classification"]
         assert (extra > 0) == (record["task"] == 1)
+
+
+def test_rwalk_keeps_the_path_scores_of_every_round_of_a_task(tiny_config, monkeypatch):
+    """Avalanche's before_training runs once per train() call, centrally once
+    per experience; RWalk starts its path scores afresh there. Until session
+    36 it ran every round, and only the scores of a task's last round reached
+    the task's experience scores."""
+    from avalanche.training.plugins import RWalkPlugin
+
+    before = count_calls(monkeypatch, RWalkPlugin, "before_training")
+    updates = defaultdict(list)  # id(plugin) -> [(round, id(checkpoint_scores))], one per score update
+    folded = defaultdict(list)  # id(plugin) -> [(round, id(checkpoint_scores))] folded into the experience's scores
+    update_score, after_exp = RWalkPlugin._update_score, RWalkPlugin.after_training_exp
+
+    @functools.wraps(update_score)
+    def record_update(self, strategy):
+        update_score(self, strategy)
+        updates[id(self)].append((strategy.run.round, id(self.checkpoint_scores)))
+
+    @functools.wraps(after_exp)
+    def record_fold(self, strategy, **kwargs):
+        folded[id(self)].append((strategy.run.round, id(self.checkpoint_scores)))
+        after_exp(self, strategy, **kwargs)
+
+    monkeypatch.setattr(RWalkPlugin, "_update_score", record_update)
+    monkeypatch.setattr(RWalkPlugin, "after_training_exp", record_fold)
+    config = tiny_config(
+        plugins=["avalanche:RWalkPlugin"], plugin_options={"avalanche": {"delta_t": "5"}}, rounds_per_task=3
+    )
+    run, _ = run_with(config)
+    for client in run.clients:
+        plugin = run.plugins.objects["avalanche"].instance(client)
+        assert before[id(plugin)] == [(1, 0), (4, 1)]  # at each task's first round only
+        for (end, scores), task_rounds in zip(folded[id(plugin)], ({1, 2, 3}, {4, 5, 6})):
+            assert end == max(task_rounds)
+            # every round's score updates went into the scores folded at the task's end
+            assert {r for r, kept in updates[id(plugin)] if r in task_rounds and kept == scores} == task_rounds
+
+
+def test_rwalk_with_few_steps_a_round_does_not_drop_a_client(tiny_config):
+    """A client of 5 steps a round makes its only score checkpoint (every 10
+    steps) in its second round; until session 36 the third round's
+    before_training threw it away, the task's scores were all 0, its
+    penalties 0/0 = NaN, and the client was left out of every round of the next task."""
+    config = tiny_config(
+        plugins=["avalanche:RWalkPlugin"],
+        rounds_per_task=3,
+        scenario_options={"clients": 3, "tasks": 2},
+        clients_per_round=2,
+    )
+    run, results = run_with(config)
+    assert run.schedule[:3] == [[1, 2]] * 3 and 1 in run.schedule[3]  # client 1 trains in task 2
+    assert all(record["failed_clients"] == [] for record in results["rounds"])
+    plugin = run.plugins.objects["avalanche"].instance(run.clients[1])
+    assert all(torch.isfinite(p.data).all() for p in plugin.exp_penalties.values())
+
+
+class ModelProbe:
+    """At each client's task start (after Avalanche's experience set-up): the
+    client's model's weights and whether the strategy trains that object; the
+    global model after each round."""
+
+    name = "model-probe"
+
+    def __init__(self):
+        self.task_starts = []  # (round, client id, weights, strategy.model is client.model)
+        self.global_weights = []
+
+    @hookimpl
+    def fedaval_client_task_start(self, run, client, task):
+        weights = {k: v.clone() for k, v in client.model.state_dict().items()}
+        self.task_starts.append((run.round, client.id, weights, client.strategy.model is client.model))
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        self.global_weights.append(torch.cat([p.detach().flatten().clone() for p in run.server.model.parameters()]))
+
+
+def test_gdumb_trains_and_uploads_the_clients_model_reset_at_each_task_start(tiny_config, monkeypatch):
+    """GDumb replaces strategy.model by a copy of its initial model at each
+    experience. Until session 36 the client then trained that copy and
+    uploaded its own model, untouched: from task 2 on the global model never
+    changed. Now the client's model takes the copy's weights and is trained."""
+    from avalanche.training.plugins import GDumbPlugin
+
+    buffer_updates = count_calls(monkeypatch, GDumbPlugin, "after_train_dataset_adaptation")
+    probe = ModelProbe()
+    config = tiny_config(
+        plugins=["avalanche:GDumbPlugin"], rounds_per_task=3, scenario_options={"clients": 2, "tasks": 3}
+    )
+    run, _ = run_with(config, [probe])
+    changes = [(b - a).abs().max().item() for a, b in zip(probe.global_weights, probe.global_weights[1:])]
+    assert len(changes) == 8 and min(changes) > 0  # the global model moves in every round
+    for client in run.clients:
+        plugin = run.plugins.objects["avalanche"].instance(client)
+        assert client.strategy.model is client.model
+        optimized = {id(p) for group in client.strategy.optimizer.param_groups for p in group["params"]}
+        assert optimized == {id(p) for p in client.model.parameters()}
+        assert buffer_updates[id(plugin)] == [(1, 0), (4, 1), (7, 2)]  # the memory: once per task, at its start
+        initial = plugin.init_model.state_dict()
+        starts = [(r, weights, same) for r, c, weights, same in probe.task_starts if c == client.id]
+        assert [r for r, _, _ in starts] == [1, 4, 7]
+        for _, weights, same in starts:  # each task starts from GDumb's initial model, in the client's own object
+            assert same and all(torch.equal(weights[k], initial[k]) for k in initial)
+
+
+def test_a_plugin_replacing_the_model_by_another_architecture_stops_the_run_naming_it(tiny_config):
+    from avalanche.core import SupervisedPlugin
+
+    from fedaval.errors import RunFailure
+
+    class Swap(SupervisedPlugin):
+        def before_training_exp(self, strategy, **kwargs):
+            strategy.model = torch.nn.Linear(2, 2)
+
+    class Swapper:
+        name = "swapper"
+
+        @hookimpl
+        def fedaval_client_avalanche_plugins(self, run, client):
+            return [Swap()]
+
+    with pytest.raises(RunFailure) as info:
+        run_with(tiny_config(on_client_failure="fail"), [Swapper()])
+    assert str(info.value).startswith(
+        "client 0 failed in round 1: PluginError: an Avalanche plugin of client 0 (Swap) replaced its model by one "
+        "whose weights do not fit the client's model, which fedaval federates ("
+    )
+    assert "\n" not in str(info.value)
 
 
 def test_generic_path_options_are_typed_from_the_constructor():
