@@ -212,6 +212,26 @@ def test_a_plugin_replacing_the_model_by_another_architecture_stops_the_run_nami
     assert "\n" not in str(info.value)
 
 
+def test_synaptic_intelligence_acts_on_the_cpu(tiny_config):
+    """Avalanche's SynapticIntelligencePlugin keeps weights as
+    ``param.detach().cpu().flatten()``, on the CPU a view of the parameter:
+    every weight change it measured was 0, and until session 36
+    ``avalanche:SynapticIntelligencePlugin`` gave FedAvg's results to the last digit."""
+    from fedaval.plugins.avalanche_fixes import CopyingSynapticIntelligencePlugin
+
+    _, fedavg = run_with(tiny_config())
+    options = {"avalanche": {"si_lambda": "1000"}}  # Avalanche clips each importance to 0.001
+    run, si = run_with(tiny_config(plugins=["avalanche:SynapticIntelligencePlugin"], plugin_options=options))
+    for client in run.clients:
+        plugin = run.plugins.objects["avalanche"].instance(client)
+        assert isinstance(plugin, CopyingSynapticIntelligencePlugin)
+        assert sum(v.data.abs().sum().item() for v in plugin.ewc_data[1].values()) > 0  # importances
+    for record in si["rounds"]:  # its penalty: in the second task only
+        extra = record["losses"]["loss/total"] - record["losses"]["loss/classification"]
+        assert (extra > 0) == (record["task"] == 1)
+    assert [r["global_accuracy"] for r in si["rounds"]] != [r["global_accuracy"] for r in fedavg["rounds"]]
+
+
 def test_generic_path_options_are_typed_from_the_constructor():
     name, cls = resolve_plugin("avalanche:SynapticIntelligencePlugin")
     assert name == "avalanche"

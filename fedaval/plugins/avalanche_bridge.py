@@ -223,7 +223,12 @@ REFUSED: dict[str, str] = {
 """Classes that cannot work in fedaval, with what fedaval lacks for them:
 ``--plugins avalanche:<one of these>`` is a one-line error at load."""
 
-VARIANTS: dict[str, str] = {}
+VARIANTS: dict[str, str] = {
+    "AGEMPlugin": "fedaval.plugins.avalanche_fixes:RoundAGEMPlugin",
+    "MIRPlugin": "fedaval.plugins.avalanche_fixes:RoundMIRPlugin",
+    "RARPlugin": "fedaval.plugins.avalanche_fixes:RoundRARPlugin",
+    "SynapticIntelligencePlugin": "fedaval.plugins.avalanche_fixes:CopyingSynapticIntelligencePlugin",
+}
 """Classes each client gets fedaval's subclass of instead
 (:mod:`fedaval.plugins.avalanche_fixes` says why): Avalanche's plugin with
 what a federated run, or Avalanche's own bug, needs changed."""
