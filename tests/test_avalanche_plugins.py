@@ -232,6 +232,28 @@ def test_synaptic_intelligence_acts_on_the_cpu(tiny_config):
     assert [r["global_accuracy"] for r in si["rounds"]] != [r["global_accuracy"] for r in fedavg["rounds"]]
 
 
+def test_rwalk_gives_a_task_without_a_score_finite_penalties(tiny_config):
+    """Client 3 trains the first task in one round of 2 steps, under
+    delta_t=5 no score checkpoint: Avalanche divides its zero scores by their
+    maximum, 0, and the NaN penalties dropped the client in every later round."""
+    from fedaval.plugins.avalanche_fixes import FiniteRWalkPlugin
+
+    config = tiny_config(
+        plugins=["avalanche:RWalkPlugin"],
+        plugin_options={"avalanche": {"delta_t": "5"}},
+        rounds_per_task=3,
+        scenario_options={"clients": 4, "tasks": 2},
+        clients_per_round=2,
+    )
+    run, results = run_with(config)
+    client = run.clients[3]
+    assert [round for round, ids in enumerate(run.schedule[:3], 1) if 3 in ids] == [2] and 3 in run.schedule[5]
+    plugin = run.plugins.objects["avalanche"].instance(client)
+    assert isinstance(plugin, FiniteRWalkPlugin)
+    assert all(torch.isfinite(p.data).all() for p in plugin.exp_penalties.values())
+    assert all(record["failed_clients"] == [] for record in results["rounds"])
+
+
 def test_generic_path_options_are_typed_from_the_constructor():
     name, cls = resolve_plugin("avalanche:SynapticIntelligencePlugin")
     assert name == "avalanche"

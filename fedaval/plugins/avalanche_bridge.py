@@ -227,6 +227,7 @@ VARIANTS: dict[str, str] = {
     "AGEMPlugin": "fedaval.plugins.avalanche_fixes:RoundAGEMPlugin",
     "MIRPlugin": "fedaval.plugins.avalanche_fixes:RoundMIRPlugin",
     "RARPlugin": "fedaval.plugins.avalanche_fixes:RoundRARPlugin",
+    "RWalkPlugin": "fedaval.plugins.avalanche_fixes:FiniteRWalkPlugin",
     "SynapticIntelligencePlugin": "fedaval.plugins.avalanche_fixes:CopyingSynapticIntelligencePlugin",
 }
 """Classes each client gets fedaval's subclass of instead

@@ -13,6 +13,13 @@ unchanged but for the lines each docstring names.
   it measures is 0 and every importance 0: a bug of Avalanche's (0.6.0),
   centralised runs on the CPU included, which made
   ``avalanche:SynapticIntelligencePlugin`` FedAvg to the last digit.
+* :class:`FiniteRWalkPlugin`: Avalanche's ``RWalkPlugin`` scales each task's
+  scores by their maximum, and its importances by theirs; a task of fewer
+  than ``delta_t`` steps (a small client, or one sampled in few of the
+  task's rounds) has no score checkpoint, every score 0, and the penalties
+  are 0/0 = NaN: the client's loss is NaN ever after and the run leaves it
+  out of every round. A maximum of 0 makes that term 0 here (no score, no
+  penalty from it); every other value is Avalanche's.
 * :class:`RoundAGEMPlugin`, :class:`RoundMIRPlugin`, :class:`RoundRARPlugin`:
   these keep a live iterator over their memory between ``train()`` calls
   (AGEM's ``buffer_dliter``, MIR's ``replay_loader``, a generator cycling a
@@ -33,10 +40,17 @@ import inspect
 from typing import Any
 
 import torch
-from avalanche.training.plugins import AGEMPlugin, MIRPlugin, RARPlugin, SynapticIntelligencePlugin
+import torch.nn.functional as F
+from avalanche.training.plugins import AGEMPlugin, MIRPlugin, RARPlugin, RWalkPlugin, SynapticIntelligencePlugin
 from avalanche.training.plugins.mir import cycle
 
-__all__ = ["CopyingSynapticIntelligencePlugin", "RoundAGEMPlugin", "RoundMIRPlugin", "RoundRARPlugin"]
+__all__ = [
+    "CopyingSynapticIntelligencePlugin",
+    "FiniteRWalkPlugin",
+    "RoundAGEMPlugin",
+    "RoundMIRPlugin",
+    "RoundRARPlugin",
+]
 
 
 class CopyingSynapticIntelligencePlugin(SynapticIntelligencePlugin):
@@ -62,6 +76,27 @@ def _own_copies(strategy: Any, stored: dict[str, Any]) -> None:
         return
     for data in stored.values():
         data.data = data.data.clone()
+
+
+class FiniteRWalkPlugin(RWalkPlugin):
+    """``RWalkPlugin`` whose penalties are finite when a task gave no score
+    or no importance (module docstring): Avalanche's
+    ``imp / max_imp + relu(score) / max_score`` (Eq. 8 of the RWalk paper,
+    each term scaled to [0, 1]) with a term whose maximum is 0 taken as 0."""
+
+    @torch.no_grad()
+    def after_training_exp(self, strategy, *args, **kwargs):
+        super().after_training_exp(strategy, *args, **kwargs)
+        assert self.exp_scores is not None and self.exp_importance is not None and self.exp_penalties is not None
+        max_score = max(x.data.max() for x in self.exp_scores.values())
+        max_imp = max(x.data.max() for x in self.exp_importance.values())
+        if max_score != 0 and max_imp != 0:
+            return  # Avalanche's penalties, finite
+        for name, penalty in self.exp_penalties.items():
+            imp, score = self.exp_importance[name].data, self.exp_scores[name]
+            term_imp = imp / max_imp if max_imp != 0 else torch.zeros_like(imp)
+            relu = F.relu(score.expand(imp.shape))
+            penalty.data = term_imp + (relu / max_score if max_score != 0 else torch.zeros_like(relu))
 
 
 class RoundAGEMPlugin(AGEMPlugin):
