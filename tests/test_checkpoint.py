@@ -91,8 +91,11 @@ def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_results(tmp_path, m
         dict(plugins=["avalanche:AGEMPlugin"], plugin_options={"avalanche": AGEM}),
         dict(plugins=["avalanche:MIRPlugin"], plugin_options={"avalanche": MIR}),
         dict(plugins=["avalanche:RARPlugin"], plugin_options={"avalanche": RAR}),
+        # a model replaced at each task start; path scores kept over a task's rounds
+        dict(plugins=["avalanche:GDumbPlugin"], plugin_options={"avalanche": {"mem_size": "40"}}),
+        dict(plugins=["avalanche:RWalkPlugin"], plugin_options={"avalanche": {"delta_t": "5"}}),
     ],
-    ids=["replay", "lwf", "fedprok", "gldp", "sampled", "glfc", "agem", "mir", "rar"],
+    ids=["replay", "lwf", "fedprok", "gldp", "sampled", "glfc", "agem", "mir", "rar", "gdumb", "rwalk"],
 )
 def test_resume_from_any_round_matches_the_whole_run(tiny_config, tmp_path, settings):
     from fedaval import checkpoint
