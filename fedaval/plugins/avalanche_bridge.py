@@ -26,7 +26,7 @@ Each client gets one fresh instance of an Avalanche training plugin (through
   ``ReplayDataLoader`` is built at the task's first round and kept by the core
   for every later round of the task.
 
-Any other Avalanche training plugin takes the generic path::
+Other Avalanche training plugins take the generic path::
 
     fedaval train --plugins avalanche:MASPlugin -o avalanche.lambda_reg=2
 
@@ -35,7 +35,12 @@ Any other Avalanche training plugin takes the generic path::
 in ``avalanche.training.plugins`` and its constructor's keyword arguments
 become the options of a plugin named ``avalanche``, typed from the
 constructor's annotations or defaults. Arguments that cannot be given on a
-command line (objects, lists) keep their defaults.
+command line (objects, lists) keep their defaults. Not every class works
+federated: those checked to (:data:`CHECKED`) run, five of them as fedaval's
+subclasses (:data:`VARIANTS`); those that cannot (:data:`REFUSED`: no
+validation stream, a model of another kind, an object argument...) are a
+one-line error at load saying what fedaval lacks; any other (a newer
+Avalanche's) runs with a warning.
 
 Nothing here imports torch or Avalanche at import time (``fedaval plugins``).
 """
