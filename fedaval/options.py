@@ -28,6 +28,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + "|".join(str(a) for a in get_args(tp))
     if get_origin(tp) in (list, tuple):
         return f"comma-separated {_type_name(get_args(tp)[0])}s"
+    if get_origin(tp) in UNIONS and {a for a in get_args(tp) if a is not type(None)} == {int, float}:
+        return "a finite number" + (" or none" if type(None) in get_args(tp) else "")
     if get_origin(tp) in UNIONS:
         return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
     if tp is float:
@@ -41,8 +43,8 @@ def coerce(tp: Any, raw: Any) -> Any:
     origin = get_origin(tp)
     if origin in UNIONS:
         args = [a for a in get_args(tp) if a is not type(None)]
-        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "")):
-            return None
+        if len(args) < len(get_args(tp)) and (raw is None or (isinstance(raw, str) and raw.lower() in ("none", ""))):
+            return None  # an Optional; `none` is no value of int | float
         for arg in args:
             try:
                 return coerce(arg, raw)

@@ -150,10 +150,14 @@ def load_plugins(
     plugin that is not loaded are an error, reported by the caller once the
     scenario's options are taken out."""
     loaded = LoadedPlugins()
+    resolved: dict[str, Any] = {}
     for spec in list(DEFAULT_PLUGINS) + [s for s in specs if s not in DEFAULT_PLUGINS]:
         name, obj = resolve_plugin(spec)
-        if name in loaded.objects:
-            raise FedavalUsageError(f"plugin name {name!r} is loaded twice (from {spec!r})")
+        if name in resolved:  # before any options are checked: they would be checked against the first one's
+            once = f"; one {name}:<Class> plugin per run" if name in SPEC_FACTORIES else ""
+            raise FedavalUsageError(f"plugin name {name!r} is loaded twice (from {spec!r}){once}")
+        resolved[name] = obj
+    for name, obj in resolved.items():
         instance = instantiate(name, obj, option_values.get(name, {}))
         register(pm, instance, name)
         loaded.names.append(name)

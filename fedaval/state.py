@@ -383,17 +383,61 @@ def dump(
 
     Raises :class:`~fedaval.errors.PluginError` naming the plugin and
     attribute that cannot be pickled (a plugin holding a lock, an open file
-    or a lambda, say), else ``TypeError`` naming the object."""
+    or a lambda, say), or the client's Avalanche plugin that cannot be (one
+    holding a ``DataLoader`` iterator), else ``TypeError`` naming the object;
+    either on one line, whatever the pickler raised."""
     try:
         with no_cyclic_gc():
             RunPickler(file, shared_objects(run, extra), keep).dump(obj)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        culprit = _unpicklable_plugin_attribute(obj)
+    except Exception as exc:  # noqa: BLE001 - any refusal (a DataLoader iterator raises NotImplementedError)
+        culprit = _unpicklable_plugin_attribute(obj) or _unpicklable_client_part(run, obj, extra)
         if culprit:  # a plugin's mistake: one line, not a traceback
             from fedaval.errors import PluginError
 
-            raise PluginError(f"cannot save the run's state: {exc}{culprit}") from exc
-        raise TypeError(f"cannot save the run's state: {exc}") from exc
+            raise PluginError(f"cannot save the run's state: {_one_line(exc)}{culprit}") from exc
+        raise TypeError(f"cannot save the run's state: {_one_line(exc)}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line, or its type's name when it has none."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def _unpicklable_client_part(run: Run, obj: Any, extra: dict[str, Any] | None) -> str:
+    """``"; client 3's Avalanche plugin AGEMPlugin holds it (...)"``: the first
+    Avalanche plugin of a client's strategy, or entry of its stash, that
+    cannot be pickled, when ``obj`` holds clients (a checkpoint's
+    ``"clients"``, an offloaded client's parts); ``""`` otherwise."""
+    if not isinstance(obj, dict):
+        return ""
+    parts = [(obj.get("strategy"), obj.get("stash"))] if "strategy" in obj else []
+    parts += [(c.__dict__.get("strategy"), c.__dict__.get("stash")) for c in obj.get("clients") or []]
+    shared = shared_objects(run, extra)
+
+    def refused(value: Any) -> bool:
+        try:
+            RunPickler(io.BytesIO(), shared).dump(value)
+        except Exception:  # noqa: BLE001 - any refusal names the part
+            return True
+        return False
+
+    for strategy, stash in parts:
+        if strategy is None:
+            continue
+        who = f"client {strategy.client.id}'s" if strategy.client is not None else "the server's"
+        for plugin in strategy.plugins:
+            if plugin is strategy.evaluator or type(plugin).__module__ == "fedaval.strategy":
+                continue  # the evaluator, and the HookBridge (the client's link to the run's hooks)
+            if refused(plugin):
+                return (
+                    f"; {who} Avalanche plugin {type(plugin).__name__} holds it (a client's Avalanche plugins "
+                    "are saved with it, in checkpoints and offloaded clients)"
+                )
+        for key, value in getattr(stash, "_values", {}).items():
+            if refused(value):
+                return f"; {who} stash entry {key!r} holds it (a plugin's per-client state, saved with the client)"
+    return ""
 
 
 def _unpicklable_plugin_attribute(obj: Any) -> str:

@@ -15,6 +15,28 @@ rounds, and a client trains once per round. Avalanche has no notion of
   other callback (per epoch, per iteration, ``before_backward``...) runs every
   round as usual. To every Avalanche plugin a task therefore looks like one
   long experience, as in centralised continual learning.
+* Avalanche calls the plugins' ``before_training``/``after_training`` once per
+  ``train()`` call, which centrally means once per experience, and its
+  training plugins do per-experience work there (RWalk starts its path
+  scores afresh; FromScratchTraining keeps the initial weights). So the
+  ``before_training`` callbacks that Avalanche's training plugins define (code
+  in ``avalanche.training.plugins``, the evaluator excepted) run only in the
+  client's first round of a task (with the experience set-up), and their
+  ``after_training`` only in its last (after ``after_training_exp``), as
+  Avalanche would order them around one experience. Those fedaval defines
+  (:class:`HookBridge`, the evaluation's ``PredictionRecorder``, fedaval's
+  subclasses of Avalanche's plugins in :mod:`fedaval.plugins.avalanche_fixes`)
+  and the evaluator's run every round: their work is per round.
+* A plugin that replaces ``strategy.model`` (GDumb resets it to a copy of
+  the initial model at each experience) would leave the client training an
+  object it never uploads nor receives into: the client's model is
+  ``client.model``. The strategy adopts the replacement where it sees one
+  (after the ``before_train_dataset_adaptation`` callbacks, where GDumb
+  replaces it, after the rest of the experience set-up, and after every
+  round): its weights are
+  copied into ``client.model``, which becomes ``strategy.model`` again, and
+  the optimizer is made over it as Avalanche makes it over a replaced model
+  (:meth:`FederatedStrategy._adopt_replaced_model`).
 * Its data loaders take the device data path when they can
   (:mod:`fedaval.device_data`): same minibatches, built without per-sample work.
 * :class:`HookBridge`, one Avalanche plugin per client, turns Avalanche's
@@ -40,6 +62,8 @@ from fedaval.errors import FedavalUsageError
 from fedaval.models import is_on
 from fedaval.object_cache import ObjectCache
 from fedaval.plugin import CORE_LOSS_TERMS
+
+AVALANCHE_TRAINING_PLUGINS = "avalanche.training.plugins."
 
 
 def _check_constructors_once() -> None:
@@ -126,6 +150,8 @@ class FederatedStrategy(SupervisedTemplate):
     or ``None`` for the server's global model. A client's training loss is
     ``fedaval_client_criterion`` (the core's cross-entropy by default)."""
 
+    model: Any  # Avalanche's (a plugin may replace it: _adopt_replaced_model)
+
     def __init__(self, *, run: Run, client: Client | None, **kwargs: Any):
         super().__init__(**kwargs)
         self.run = run
@@ -204,10 +230,11 @@ class FederatedStrategy(SupervisedTemplate):
             lr = round_lr(run.config, run.round, run.total_rounds)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        super()._before_training(**kwargs)
+        self._trigger_plugins("before_training", self.task_begins or self._task_data is None, **kwargs)
 
     def _after_training(self, **kwargs):
-        super()._after_training(**kwargs)
+        self._trigger_plugins("after_training", self.task_ends, **kwargs)
+        self._adopt_replaced_model()
         if self.client is not None and self.run.config.stack_clients:
             from fedaval import stacked
 
@@ -216,6 +243,61 @@ class FederatedStrategy(SupervisedTemplate):
             # --cuda-graphs: a graph holds its activations' memory; a client that idles next
             # round lets it go and captures anew when it trains again
             self._graphed = self._graphed_step = None
+
+    def _trigger_plugins(self, event: str, task_edge: bool, **kwargs: Any) -> None:
+        """Avalanche's ``trigger_plugins(self, event)`` for ``before_training``
+        or ``after_training``, without the callbacks of Avalanche's training
+        plugins unless ``task_edge`` (the client's first round of a task, for
+        ``before_training``; its last, for ``after_training``): see the module
+        docstring."""
+        for plugin in self.plugins:
+            callback = getattr(plugin, event, None)
+            if callback is not None and (task_edge or not self._once_per_task(plugin, event)):
+                callback(self, **kwargs)
+
+    def _once_per_task(self, plugin: Any, event: str) -> bool:
+        """Whether ``plugin``'s ``event`` callback is Avalanche's training
+        plugins' code, which expects one call per experience."""
+        defined_in = getattr(getattr(type(plugin), event, None), "__module__", None) or ""
+        return plugin is not self.evaluator and defined_in.startswith(AVALANCHE_TRAINING_PLUGINS)
+
+    def _adopt_replaced_model(self) -> None:
+        """Make ``client.model`` the model trained again if a plugin replaced
+        ``self.model`` (module docstring): the replacement's weights are
+        copied into it (its parameters stay the objects the client receives
+        into and uploads from) and the optimizer is made over it as
+        Avalanche's ``check_model_and_optimizer`` makes it over a replaced
+        model (the replaced parameters' optimizer state empty). A replacement
+        of other weights than the client's model has is a
+        :class:`~fedaval.errors.PluginError` naming the client's Avalanche
+        plugins."""
+        if self.client is None or self.model is self.client.model:
+            return
+        own = self.client.model
+        mine, theirs = own.state_dict(), self.model.state_dict()
+        differ = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k].shape != theirs[k].shape]
+        if differ:
+            from fedaval.errors import PluginError
+
+            names = ", ".join(type(p).__name__ for p in self.plugins if self._is_method_plugin(p))
+            raise PluginError(
+                f"an Avalanche plugin of client {self.client.id} ({names}) replaced its model by one whose weights "
+                f"do not fit the client's model, which fedaval federates ({', '.join(differ[:3])}"
+                f"{', ...' if len(differ) > 3 else ''} differ)"
+            )
+        own.load_state_dict(theirs)
+        self.model = own
+        self.make_optimizer()
+
+    def _is_method_plugin(self, plugin: Any) -> bool:
+        """Whether ``plugin`` came from a method (not the bridge, the evaluator, the clock or Avalanche's templates)."""
+        module = type(plugin).__module__
+        return (
+            plugin is not self.evaluator
+            and plugin is not self.clock
+            and not isinstance(plugin, HookBridge)
+            and not module.startswith("avalanche.training.templates")
+        )
 
     def _trains_next_round(self) -> bool:
         run = self.run
@@ -401,9 +483,14 @@ class FederatedStrategy(SupervisedTemplate):
                 return False
         return not remove_params or len(held) == len(params)
 
+    def _before_train_dataset_adaptation(self, **kwargs):
+        super()._before_train_dataset_adaptation(**kwargs)
+        self._adopt_replaced_model()  # GDumb's reset: before the experience's other callbacks see the model
+
     def _before_training_exp(self, **kwargs):
         if self.task_begins or self._task_data is None:
             super()._before_training_exp(**kwargs)
+            self._adopt_replaced_model()  # before the round trains it
             self._task_data = (self.adapted_dataset, self.dataloader)
         else:  # a later round of the same task: same data, same optimizer
             self.adapted_dataset, self.dataloader = self._task_data

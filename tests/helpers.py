@@ -25,6 +25,12 @@ def strip_timing(obj):
     return obj
 
 
+# options of the Avalanche plugins that keep iterators over their memories between rounds, for tiny runs
+AGEM = {"patterns_per_experience": "20", "sample_size": "20"}
+MIR = {"batch_size_mem": "10", "mem_size": "40", "subsample": "20"}
+RAR = {"batch_size_mem": "10", "mem_size": "40", "use_adversarial_replay": "false"}  # its attack: slow, not at issue
+
+
 def tiny_run_config(out, **overrides):
     """A RunConfig for a fast digits run into ``out`` (2 clients, 2 tasks, 2
     rounds each): what the ``tiny_config`` fixture makes, for module-scoped use."""

@@ -5,10 +5,13 @@ experience (end-of-task work once per task, at the client's last round)."""
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import pytest
+import torch
 from click.testing import CliRunner
+from helpers import one_line_error
 
 from fedaval import hookimpl
 from fedaval.build import build_run
@@ -16,6 +19,7 @@ from fedaval.cli import cli
 from fedaval.coordinator import train
 from fedaval.errors import FedavalUsageError
 from fedaval.plugin_manager import instantiate, resolve_plugin
+from fedaval.plugins.avalanche_bridge import CHECKED, REFUSED, available_avalanche_plugins
 
 
 def run_with(config, extra=()):
@@ -42,6 +46,7 @@ def count_calls(monkeypatch, cls, method):
     calls = defaultdict(list)
     original = getattr(cls, method)
 
+    @functools.wraps(original)  # its __module__ too: the strategy runs Avalanche's before_training once per task
     def wrapped(self, strategy, **kwargs):
         calls[id(self)].append((strategy.run.round, strategy.clock.train_exp_counter))
         return original(self, strategy, **kwargs)
@@ -78,6 +83,177 @@ def test_generic_mas_plugin_does_its_end_of_task_work_once_per_task(tiny_config,
         assert (extra > 0) == (record["task"] == 1)
 
 
+def test_rwalk_keeps_the_path_scores_of_every_round_of_a_task(tiny_config, monkeypatch):
+    """Avalanche's before_training runs once per train() call, centrally once
+    per experience; RWalk starts its path scores afresh there. Until session
+    36 it ran every round, and only the scores of a task's last round reached
+    the task's experience scores."""
+    from avalanche.training.plugins import RWalkPlugin
+
+    before = count_calls(monkeypatch, RWalkPlugin, "before_training")
+    updates = defaultdict(list)  # id(plugin) -> [(round, id(checkpoint_scores))], one per score update
+    folded = defaultdict(list)  # id(plugin) -> [(round, id(checkpoint_scores))] folded into the experience's scores
+    update_score, after_exp = RWalkPlugin._update_score, RWalkPlugin.after_training_exp
+
+    @functools.wraps(update_score)
+    def record_update(self, strategy):
+        update_score(self, strategy)
+        updates[id(self)].append((strategy.run.round, id(self.checkpoint_scores)))
+
+    @functools.wraps(after_exp)
+    def record_fold(self, strategy, **kwargs):
+        folded[id(self)].append((strategy.run.round, id(self.checkpoint_scores)))
+        after_exp(self, strategy, **kwargs)
+
+    monkeypatch.setattr(RWalkPlugin, "_update_score", record_update)
+    monkeypatch.setattr(RWalkPlugin, "after_training_exp", record_fold)
+    config = tiny_config(
+        plugins=["avalanche:RWalkPlugin"], plugin_options={"avalanche": {"delta_t": "5"}}, rounds_per_task=3
+    )
+    run, _ = run_with(config)
+    for client in run.clients:
+        plugin = run.plugins.objects["avalanche"].instance(client)
+        assert before[id(plugin)] == [(1, 0), (4, 1)]  # at each task's first round only
+        for (end, scores), task_rounds in zip(folded[id(plugin)], ({1, 2, 3}, {4, 5, 6})):
+            assert end == max(task_rounds)
+            # every round's score updates went into the scores folded at the task's end
+            assert {r for r, kept in updates[id(plugin)] if r in task_rounds and kept == scores} == task_rounds
+
+
+def test_rwalk_with_few_steps_a_round_does_not_drop_a_client(tiny_config):
+    """A client of 5 steps a round makes its only score checkpoint (every 10
+    steps) in its second round; until session 36 the third round's
+    before_training threw it away, the task's scores were all 0, its
+    penalties 0/0 = NaN, and the client was left out of every round of the next task."""
+    config = tiny_config(
+        plugins=["avalanche:RWalkPlugin"],
+        rounds_per_task=3,
+        scenario_options={"clients": 3, "tasks": 2},
+        clients_per_round=2,
+    )
+    run, results = run_with(config)
+    assert run.schedule[:3] == [[1, 2]] * 3 and 1 in run.schedule[3]  # client 1 trains in task 2
+    assert all(record["failed_clients"] == [] for record in results["rounds"])
+    plugin = run.plugins.objects["avalanche"].instance(run.clients[1])
+    assert all(torch.isfinite(p.data).all() for p in plugin.exp_penalties.values())
+
+
+class ModelProbe:
+    """At each client's task start (after Avalanche's experience set-up): the
+    client's model's weights and whether the strategy trains that object; the
+    global model after each round."""
+
+    name = "model-probe"
+
+    def __init__(self):
+        self.task_starts = []  # (round, client id, weights, strategy.model is client.model)
+        self.global_weights = []
+
+    @hookimpl
+    def fedaval_client_task_start(self, run, client, task):
+        weights = {k: v.clone() for k, v in client.model.state_dict().items()}
+        self.task_starts.append((run.round, client.id, weights, client.strategy.model is client.model))
+
+    @hookimpl
+    def fedaval_round_metrics(self, run, round):
+        self.global_weights.append(torch.cat([p.detach().flatten().clone() for p in run.server.model.parameters()]))
+
+
+def test_gdumb_trains_and_uploads_the_clients_model_reset_at_each_task_start(tiny_config, monkeypatch):
+    """GDumb replaces strategy.model by a copy of its initial model at each
+    experience. Until session 36 the client then trained that copy and
+    uploaded its own model, untouched: from task 2 on the global model never
+    changed. Now the client's model takes the copy's weights and is trained."""
+    from avalanche.training.plugins import GDumbPlugin
+
+    buffer_updates = count_calls(monkeypatch, GDumbPlugin, "after_train_dataset_adaptation")
+    probe = ModelProbe()
+    config = tiny_config(
+        plugins=["avalanche:GDumbPlugin"], rounds_per_task=3, scenario_options={"clients": 2, "tasks": 3}
+    )
+    run, _ = run_with(config, [probe])
+    changes = [(b - a).abs().max().item() for a, b in zip(probe.global_weights, probe.global_weights[1:])]
+    assert len(changes) == 8 and min(changes) > 0  # the global model moves in every round
+    for client in run.clients:
+        plugin = run.plugins.objects["avalanche"].instance(client)
+        assert client.strategy.model is client.model
+        optimized = {id(p) for group in client.strategy.optimizer.param_groups for p in group["params"]}
+        assert optimized == {id(p) for p in client.model.parameters()}
+        assert buffer_updates[id(plugin)] == [(1, 0), (4, 1), (7, 2)]  # the memory: once per task, at its start
+        initial = plugin.init_model.state_dict()
+        starts = [(r, weights, same) for r, c, weights, same in probe.task_starts if c == client.id]
+        assert [r for r, _, _ in starts] == [1, 4, 7]
+        for _, weights, same in starts:  # each task starts from GDumb's initial model, in the client's own object
+            assert same and all(torch.equal(weights[k], initial[k]) for k in initial)
+
+
+def test_a_plugin_replacing_the_model_by_another_architecture_stops_the_run_naming_it(tiny_config):
+    from avalanche.core import SupervisedPlugin
+
+    from fedaval.errors import RunFailure
+
+    class Swap(SupervisedPlugin):
+        def before_training_exp(self, strategy, **kwargs):
+            strategy.model = torch.nn.Linear(2, 2)
+
+    class Swapper:
+        name = "swapper"
+
+        @hookimpl
+        def fedaval_client_avalanche_plugins(self, run, client):
+            return [Swap()]
+
+    with pytest.raises(RunFailure) as info:
+        run_with(tiny_config(on_client_failure="fail"), [Swapper()])
+    assert str(info.value).startswith(
+        "client 0 failed in round 1: PluginError: an Avalanche plugin of client 0 (Swap) replaced its model by one "
+        "whose weights do not fit the client's model, which fedaval federates ("
+    )
+    assert "\n" not in str(info.value)
+
+
+def test_synaptic_intelligence_acts_on_the_cpu(tiny_config):
+    """Avalanche's SynapticIntelligencePlugin keeps weights as
+    ``param.detach().cpu().flatten()``, on the CPU a view of the parameter:
+    every weight change it measured was 0, and until session 36
+    ``avalanche:SynapticIntelligencePlugin`` gave FedAvg's results to the last digit."""
+    from fedaval.plugins.avalanche_fixes import CopyingSynapticIntelligencePlugin
+
+    _, fedavg = run_with(tiny_config())
+    options = {"avalanche": {"si_lambda": "1000"}}  # Avalanche clips each importance to 0.001
+    run, si = run_with(tiny_config(plugins=["avalanche:SynapticIntelligencePlugin"], plugin_options=options))
+    for client in run.clients:
+        plugin = run.plugins.objects["avalanche"].instance(client)
+        assert isinstance(plugin, CopyingSynapticIntelligencePlugin)
+        assert sum(v.data.abs().sum().item() for v in plugin.ewc_data[1].values()) > 0  # importances
+    for record in si["rounds"]:  # its penalty: in the second task only
+        extra = record["losses"]["loss/total"] - record["losses"]["loss/classification"]
+        assert (extra > 0) == (record["task"] == 1)
+    assert [r["global_accuracy"] for r in si["rounds"]] != [r["global_accuracy"] for r in fedavg["rounds"]]
+
+
+def test_rwalk_gives_a_task_without_a_score_finite_penalties(tiny_config):
+    """Client 3 trains the first task in one round of 2 steps, under
+    delta_t=5 no score checkpoint: Avalanche divides its zero scores by their
+    maximum, 0, and the NaN penalties dropped the client in every later round."""
+    from fedaval.plugins.avalanche_fixes import FiniteRWalkPlugin
+
+    config = tiny_config(
+        plugins=["avalanche:RWalkPlugin"],
+        plugin_options={"avalanche": {"delta_t": "5"}},
+        rounds_per_task=3,
+        scenario_options={"clients": 4, "tasks": 2},
+        clients_per_round=2,
+    )
+    run, results = run_with(config)
+    client = run.clients[3]
+    assert [round for round, ids in enumerate(run.schedule[:3], 1) if 3 in ids] == [2] and 3 in run.schedule[5]
+    plugin = run.plugins.objects["avalanche"].instance(client)
+    assert isinstance(plugin, FiniteRWalkPlugin)
+    assert all(torch.isfinite(p.data).all() for p in plugin.exp_penalties.values())
+    assert all(record["failed_clients"] == [] for record in results["rounds"])
+
+
 def test_generic_path_options_are_typed_from_the_constructor():
     name, cls = resolve_plugin("avalanche:SynapticIntelligencePlugin")
     assert name == "avalanche"
@@ -95,8 +271,29 @@ def test_generic_path_options_are_typed_from_the_constructor():
             {"lambda_reg": "abc"},
             "bad value avalanche.lambda_reg='abc'; expected a finite number",
         ),
-        ("avalanche:LFLPlugin", {}, "bad value avalanche.lambda_e=(required); required by the Avalanche"),
-        ("avalanche:NoSuchPlugin", {}, "unknown Avalanche plugin 'NoSuchPlugin'; allowed: AGEMPlugin,"),
+        ("avalanche:EWCPlugin", {}, "bad value avalanche.ewc_lambda=(required); required by the Avalanche"),
+        # the unknown-class error lists the usable classes only (BiC is refused)
+        ("avalanche:NoSuchPlugin", {}, "unknown Avalanche plugin 'NoSuchPlugin'; allowed: AGEMPlugin, EWCPlugin,"),
+        # until session 36 each of these was accepted, then ended in a traceback or a late crash
+        ("avalanche:EWCPlugin", {"ewc_lambda": "none"}, "bad value avalanche.ewc_lambda='none'; expected a finite"),
+        ("avalanche:SynapticIntelligencePlugin", {"si_lambda": "none"}, "bad value avalanche.si_lambda='none';"),
+        (
+            "avalanche:EWCPlugin",
+            {"ewc_lambda": "1", "mode": "foo"},
+            "avalanche:EWCPlugin refuses its options (ewc_lambda=1, mode='foo'): Mode must be separate or online.",
+        ),
+        (
+            "avalanche:EWCPlugin",
+            {"ewc_lambda": "1", "mode": "online"},
+            "avalanche:EWCPlugin refuses its options (ewc_lambda=1, mode='online'): You need to set `decay_factor`",
+        ),
+        ("avalanche:RWalkPlugin", {"delta_t": "0"}, "refuses its options (delta_t=0): `delta_t` must be at least 1."),
+        ("avalanche:ReplayPlugin", {"mem_size": "-5"}, "bad value avalanche.mem_size=-5; must be >= 1"),
+        (
+            "avalanche:AGEMPlugin",
+            {"patterns_per_experience": "5", "sample_size": "0"},
+            "bad value avalanche.sample_size=0; must be >= 1",
+        ),
         # accepted until session 34, failing in round 2 or running with a meaningless decay
         ("fedreplay", {"batch_size_mem": "-1"}, "bad value fedreplay.batch_size_mem=-1; must be >= 1"),
         ("fedewc", {"mode": "online", "decay_factor": "-1"}, "bad value fedewc.decay_factor=-1.0; must be in [0, 1]"),
@@ -108,6 +305,82 @@ def test_generic_path_errors_are_one_line(spec, values, message):
         instantiate(name, cls, values)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("class_name", sorted(REFUSED))
+def test_classes_that_cannot_work_federated_are_refused_at_load_saying_why(class_name):
+    with pytest.raises(FedavalUsageError) as info:
+        resolve_plugin(f"avalanche:{class_name}")
+    assert str(info.value) == f"avalanche:{class_name} cannot run in fedaval: {REFUSED[class_name]}"
+    assert "\n" not in str(info.value)
+
+
+def test_every_avalanche_training_plugin_is_checked_or_refused():
+    assert sorted([*CHECKED, *REFUSED]) == available_avalanche_plugins()
+
+
+def test_a_refused_class_is_a_one_line_usage_error_on_the_command_line(tmp_path):
+    line = one_line_error(["train", "--plugins", "avalanche:LRSchedulerPlugin", "--out", str(tmp_path / "r")])
+    assert line == (
+        "fedaval: error: avalanche:LRSchedulerPlugin cannot run in fedaval: "
+        "fedaval sets every round's learning rate; use --lr-schedule"
+    )
+
+
+def test_a_class_fedaval_has_not_checked_runs_with_a_warning(monkeypatch, caplog):
+    from fedaval.plugins import avalanche_bridge
+
+    monkeypatch.setattr(avalanche_bridge, "CHECKED", ("EWCPlugin",))
+    name, cls = resolve_plugin("avalanche:MASPlugin")
+    with caplog.at_level("WARNING", logger="fedaval"):
+        instantiate(name, cls, {})
+    assert "avalanche:MASPlugin has not been checked under federation (checked: EWCPlugin)" in caplog.text
+
+
+def test_an_unannotated_int_default_takes_a_float_unless_it_counts():
+    name, cls = resolve_plugin("avalanche:LwFPlugin")
+    plugin = instantiate(name, cls, {"alpha": "0.5", "temperature": "1.5"})  # an int until session 36
+    assert plugin.avalanche_kwargs() == {"alpha": 0.5, "temperature": 1.5}
+    assert instantiate(name, cls, {"alpha": "2"}).avalanche_kwargs()["alpha"] == 2
+    name, cls = resolve_plugin("avalanche:ReplayPlugin")
+    with pytest.raises(FedavalUsageError, match=r"bad value avalanche.mem_size='2.5'; expected int"):
+        instantiate(name, cls, {"mem_size": "2.5"})
+
+
+def test_two_generic_plugins_are_refused_before_their_options_are_read():
+    from fedaval.plugin_manager import get_plugin_manager, load_plugins
+
+    with pytest.raises(FedavalUsageError) as info:  # was: unknown option avalanche.ewc_lambda (checked against MAS)
+        load_plugins(
+            get_plugin_manager(), ["avalanche:MASPlugin", "avalanche:EWCPlugin"], {"avalanche": {"ewc_lambda": "1"}}
+        )
+    assert str(info.value) == (
+        "plugin name 'avalanche' is loaded twice (from 'avalanche:EWCPlugin'); one avalanche:<Class> plugin per run"
+    )
+
+
+def test_a_class_needing_an_object_argument_cannot_be_built():
+    from fedaval.plugins.avalanche_bridge import constructor_options
+
+    class NeedsAModel:
+        def __init__(self, model, cwr_layer_name=None, decay_factor=None, scale=1):
+            pass
+
+    with pytest.raises(FedavalUsageError) as info:
+        constructor_options(NeedsAModel)
+    assert str(info.value) == (
+        "avalanche:NeedsAModel cannot run in fedaval: its constructor needs 'model', an object a command line cannot give"
+    )
+
+
+def test_fedaval_plugins_lists_the_checked_avalanche_classes_with_their_options():
+    result = CliRunner().invoke(cli, ["plugins"])
+    assert result.exit_code == 0
+    assert "avalanche:EWCPlugin  Avalanche's EWCPlugin on every client (generic bridge)" in result.output
+    assert "-o avalanche.ewc_lambda=(required)  (a finite number)" in result.output
+    assert "-o avalanche.mem_size=200  (int, >= 1)" in result.output
+    assert "refused (docs/methods.md says why): avalanche:BiCPlugin," in result.output
+    assert "avalanche:BiCPlugin  " not in result.output
 
 
 def test_generic_path_cli_error(tmp_path):

@@ -11,9 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from avalanche.core import SupervisedPlugin
 from click.testing import CliRunner
-from helpers import one_line_error, strip_timing
+from helpers import AGEM, MIR, RAR, one_line_error, strip_timing
 
+from fedaval import hookimpl
 from fedaval.cli import cli
 
 pytestmark = pytest.mark.slow  # whole trainings
@@ -84,8 +87,15 @@ def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_results(tmp_path, m
         dict(plugins=["gldp"], scenario="sthfl", scenario_options={"clients": 3, "tasks": 2, "classes_per_task": 2}),
         dict(plugins=["fedavg"], clients_per_round=1, scenario_options={"clients": 3, "tasks": 2}),
         dict(plugins=["glfc"], plugin_options={"glfc": {"inversion_steps": 2, "memory_size": 12}}),
+        # live iterators over their memories between rounds: until session 36 a traceback at the first checkpoint
+        dict(plugins=["avalanche:AGEMPlugin"], plugin_options={"avalanche": AGEM}),
+        dict(plugins=["avalanche:MIRPlugin"], plugin_options={"avalanche": MIR}),
+        dict(plugins=["avalanche:RARPlugin"], plugin_options={"avalanche": RAR}),
+        # a model replaced at each task start; path scores kept over a task's rounds
+        dict(plugins=["avalanche:GDumbPlugin"], plugin_options={"avalanche": {"mem_size": "40"}}),
+        dict(plugins=["avalanche:RWalkPlugin"], plugin_options={"avalanche": {"delta_t": "5"}}),
     ],
-    ids=["replay", "lwf", "fedprok", "gldp", "sampled", "glfc"],
+    ids=["replay", "lwf", "fedprok", "gldp", "sampled", "glfc", "agem", "mir", "rar", "gdumb", "rwalk"],
 )
 def test_resume_from_any_round_matches_the_whole_run(tiny_config, tmp_path, settings):
     from fedaval import checkpoint
@@ -514,6 +524,36 @@ def test_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tiny_config
 
 
 # --- what users get wrong -----------------------------------------------------
+
+
+class HoldsAnIterator(SupervisedPlugin):
+    """An Avalanche plugin keeping a DataLoader iterator (which raises
+    NotImplementedError when pickled, as RARPlugin's did)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = iter(torch.utils.data.DataLoader(list(range(4))))
+
+
+class AttachesIt:
+    name = "attaches-it"
+
+    @hookimpl
+    def fedaval_client_avalanche_plugins(self, run, client):
+        return [HoldsAnIterator()]
+
+
+def test_a_clients_avalanche_plugin_that_cannot_be_saved_is_a_one_line_error_naming_it(tiny_config, tmp_path):
+    from fedaval.api import run_training
+    from fedaval.errors import PluginError
+
+    with pytest.raises(PluginError) as info:  # until session 36 an uncaught NotImplementedError
+        run_training(tiny_config(out=str(tmp_path / "r")), extra_plugins=[AttachesIt()])
+    assert str(info.value).startswith(
+        "cannot save the run's state: ('{} cannot be pickled', '_SingleProcessDataLoaderIter'); "
+        "client 0's Avalanche plugin HoldsAnIterator holds it (a client's Avalanche plugins are saved with it, "
+    )
+    assert "\n" not in str(info.value)
 
 
 def test_resume_errors_are_one_line(tmp_path, tiny_config):

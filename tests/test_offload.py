@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import strip_timing
+from helpers import AGEM, MIR, RAR, strip_timing
 
 METHODS = {
     "fedavg": dict(plugins=["fedavg"]),
@@ -14,6 +14,10 @@ METHODS = {
     ),
     "pfcl": dict(plugins=["pfcl"], scenario="fcl-random", scenario_options={"clients": 4}),
     "replay": dict(plugins=["avalanche:ReplayPlugin"], plugin_options={"avalanche": {"mem_size": "40"}}),
+    # live iterators over their memories between rounds: until session 36 they could not be offloaded
+    "agem": dict(plugins=["avalanche:AGEMPlugin"], plugin_options={"avalanche": AGEM}),
+    "mir": dict(plugins=["avalanche:MIRPlugin"], plugin_options={"avalanche": MIR}),
+    "rar": dict(plugins=["avalanche:RARPlugin"], plugin_options={"avalanche": RAR}),
 }
 
 

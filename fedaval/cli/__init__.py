@@ -482,6 +482,27 @@ def list_plugins() -> None:
         click.echo(f"    hooks: {', '.join(hook_names(obj)) or '(none)'}")
         for opt, typ, default, help_text in describe_options(getattr(obj, "Options", None)):
             click.echo(f"    -o {name}.{opt}={default}  ({typ}) {help_text}")
+    _list_avalanche_plugins()
+
+
+def _list_avalanche_plugins() -> None:
+    """The ``avalanche:<Class>`` plugins checked to work federated, with
+    their options (docs/methods.md says how each was checked and why the
+    others are refused)."""
+    from fedaval.options import describe_options
+    from fedaval.plugin_manager import describe
+    from fedaval.plugins.avalanche_bridge import CHECKED, REFUSED, avalanche_plugin_class
+
+    for class_name in CHECKED:
+        try:
+            obj = avalanche_plugin_class(class_name)
+        except Exception as exc:  # Avalanche missing or changed: the others still listed
+            click.echo(f"avalanche:{class_name}  (cannot be loaded: {exc})")
+            continue
+        click.echo(f"avalanche:{class_name}  {describe(obj)}")
+        for opt, typ, default, help_text in describe_options(getattr(obj, "Options", None)):
+            click.echo(f"    -o avalanche.{opt}={default}  ({typ}) {help_text}")
+    click.echo(f"refused (docs/methods.md says why): {', '.join(f'avalanche:{name}' for name in sorted(REFUSED))}")
 
 
 @cli.command("scenarios")
