@@ -415,8 +415,9 @@ def test_the_classifier_fit_converges_whatever_the_features_scale(scale):
 def test_every_new_task_is_learned_on_digits(tiny_config):
     # the README example's setting, spelt out (the CLI defaults when it was
     # written): before the fix the last accuracy row was [0.84, 0, 0, 0, 0]
-    # (no new task ever learned); after: new-task accuracy 0.81, 0.87, 0.59,
-    # 0.82 after tasks 1-4, last row [0.88, 0.79, 0.86, 0.83, 0.82]
+    # (no new task ever learned); the numbers now: docs/methods.md, FedProK's
+    # README example (the fix's first numbers, 0.81, 0.87, 0.59, 0.82, were
+    # measured with the SGD classifier fit of then)
     results = run_training(
         tiny_config(
             plugins=["fedprok"],
