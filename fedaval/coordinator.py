@@ -336,6 +336,21 @@ def new_results(run: Run) -> dict[str, Any]:
     }
 
 
+def note_threads(results: dict[str, Any], backend: Any) -> None:
+    """Add the torch threads this process trains the clients with to
+    results.json's ``torch_threads`` (one entry per count, in the order the
+    run's processes met them; a resumed run may add one). On the CPU the
+    thread count changes results: float sums split over other threads round
+    otherwise, and training carries the difference on, as another seed
+    would (docs/report.md); results.json did not say it before session 36."""
+    import torch
+
+    threads = getattr(backend, "client_threads", None) or torch.get_num_threads()
+    counts = results.setdefault("torch_threads", [])
+    if threads not in counts:
+        counts.append(threads)
+
+
 def resolved_options(run: Run) -> dict[str, dict[str, Any]]:
     """Every option of the run's plugins and its scenario as the run read it,
     defaults included (config.json keeps what was given): what
@@ -444,12 +459,14 @@ def train(
     from fedaval.backends import make_backend
 
     results = new_results(run) if results is None else results
+    backend = backend or make_backend(run)
+    note_threads(results, backend)
     set_status(run, results, "running")
     restore_sigint = None
     try:
         if run.out_dir is not None:  # the rounds so far (a resumed run: those of its checkpoint)
             _write(run, lambda: rewrite_rounds(run.out_dir, results["rounds"]))
-        _train_rounds(run, results, on_round, backend or make_backend(run), time_limit)
+        _train_rounds(run, results, on_round, backend, time_limit)
         set_status(run, results, "complete")
         results["final"] = final_summary(results)
         out = run.out_dir

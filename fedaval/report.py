@@ -924,6 +924,9 @@ def grouping_text(groups: list[Group]) -> str:
         versions = sorted({str(r.results.get("fedaval_version", "before session 35")) for r in g.runs})
         if len(versions) > 1:  # a metric's definition may have changed between them (docs/report.md)
             lines.append(f"{head}: runs of fedaval versions {', '.join(versions)}")
+        threads = sorted({n for r in g.runs for n in r.results.get("torch_threads") or []})  # since session 36
+        if len(threads) > 1:  # on the CPU another thread count is another sample, as another seed
+            lines.append(f"{head}: runs with torch threads {', '.join(map(str, threads))}")
     return "\n".join(lines)
 
 

@@ -72,6 +72,9 @@ START_TIMEOUT_S = 600
 """How long the first round waits for the workers to build their run replicas
 (a cluster without free CPUs never schedules them)."""
 
+WORKER_THREADS = 1
+"""torch threads of each worker: one CPU each (``num_cpus=1``)."""
+
 ENV_PASSED = ("FEDAVAL_CACHE",)
 """Environment variables of the driver that workers take over (each run)."""
 
@@ -221,6 +224,7 @@ class RayBackend:
     and loading them (``driver_seconds``)."""
 
     name = "ray"
+    client_threads = WORKER_THREADS  # what results.json records as the clients' torch threads
 
     def __init__(self, run: Run):
         config = run.config
@@ -254,7 +258,9 @@ class RayBackend:
             _POOL.key = key
         actor_class = _actor_class()
         while len(_POOL.slots) < self.workers:
-            actor = actor_class.options(num_cpus=1, num_gpus=self.client_gpus, max_restarts=0).remote(threads=1)
+            actor = actor_class.options(num_cpus=1, num_gpus=self.client_gpus, max_restarts=0).remote(
+                threads=WORKER_THREADS
+            )
             _POOL.slots.append(_Slot(actor))
         for slot in _POOL.slots[self.workers :]:
             ray.kill(slot.actor)
