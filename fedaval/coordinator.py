@@ -329,6 +329,7 @@ def new_results(run: Run) -> dict[str, Any]:
         "plugins": run.plugins.names,
         "options": resolved_options(run),
         "fedaval_version": fedaval_version(),
+        "fedaval_source": fedaval_source(),
         "federation_model": federation_model(run),
         "rounds": [],
         "tasks": [],
@@ -392,6 +393,23 @@ def fedaval_version() -> str:
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return f"{text}+g{commit}" if commit else text
+
+
+@functools.cache
+def fedaval_source() -> str:
+    """A digest of the fedaval package's Python source (its files' paths and
+    contents; 16 hex digits), asked once a process: two runs of the same
+    code have the same digest whatever commit they were made at, so a
+    report row whose runs span commits that changed only docs or tests is
+    not called mixed (``fedaval_version`` names the commit)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

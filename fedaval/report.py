@@ -922,7 +922,8 @@ def grouping_text(groups: list[Group]) -> str:
         )
         lines.append(f"{head}: " + ", ".join(str(r.path) for r in g.runs))
         versions = sorted({str(r.results.get("fedaval_version", "before session 35")) for r in g.runs})
-        if len(versions) > 1:  # a metric's definition may have changed between them (docs/report.md)
+        sources = {r.results.get("fedaval_source") for r in g.runs}  # since session 36: the code itself
+        if len(versions) > 1 and (None in sources or len(sources) > 1):  # a metric may have changed between them
             lines.append(f"{head}: runs of fedaval versions {', '.join(versions)}")
         threads = sorted({n for r in g.runs for n in r.results.get("torch_threads") or []})  # since session 36
         if len(threads) > 1:  # on the CPU another thread count is another sample, as another seed

@@ -362,6 +362,20 @@ def test_a_row_of_runs_from_different_fedaval_versions_says_so(runs):
     assert f"runs of fedaval versions {loaded[0].results['fedaval_version']}, before session 35" in text
 
 
+def test_runs_of_the_same_code_at_two_commits_are_not_called_mixed(runs):
+    """A commit that changed only docs made every row of a batch spanning it
+    'mixed' (session 36's HGP batch); the source digest says the code was
+    the same."""
+    from fedaval.report import grouping_text
+
+    loaded = load_runs([runs["a-s1"], runs["a-s2"]])
+    assert loaded[0].results["fedaval_source"] == loaded[1].results["fedaval_source"]
+    loaded[1].results = {**loaded[1].results, "fedaval_version": "0.1.0+gother"}
+    assert "versions" not in grouping_text(group_runs(loaded))
+    loaded[1].results = {**loaded[1].results, "fedaval_source": "another"}
+    assert "runs of fedaval versions" in grouping_text(group_runs(loaded))
+
+
 def test_results_record_the_torch_threads_and_a_row_mixing_them_says_so(runs):
     """On the CPU another thread count gives other numbers (session 36's
     re-runs: 13.33 against 12.03 final accuracy at 1 and 2 threads);
