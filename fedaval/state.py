@@ -389,6 +389,8 @@ def dump(
     try:
         with no_cyclic_gc():
             RunPickler(file, shared_objects(run, extra), keep).dump(obj)
+    except (MemoryError, OSError):
+        raise  # no room, not an object that cannot be pickled
     except Exception as exc:  # noqa: BLE001 - any refusal (a DataLoader iterator raises NotImplementedError)
         culprit = _unpicklable_plugin_attribute(obj) or _unpicklable_client_part(run, obj, extra)
         if culprit:  # a plugin's mistake: one line, not a traceback

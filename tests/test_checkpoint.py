@@ -556,6 +556,20 @@ def test_a_clients_avalanche_plugin_that_cannot_be_saved_is_a_one_line_error_nam
     assert "\n" not in str(info.value)
 
 
+def test_running_out_of_memory_while_saving_is_not_called_an_unpicklable_object(monkeypatch):
+    """Any other refusal of the pickler is an object that cannot be saved
+    (one line); no room is no room."""
+    from fedaval import state
+
+    def no_room(self, obj):
+        raise MemoryError
+
+    monkeypatch.setattr(state.RunPickler, "dump", no_room)
+    monkeypatch.setattr(state, "shared_objects", lambda run, extra: {})
+    with pytest.raises(MemoryError):
+        state.dumps(None, {"x": 1})
+
+
 def test_resume_errors_are_one_line(tmp_path, tiny_config):
     from fedaval.api import run_training
 
