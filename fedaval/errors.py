@@ -24,6 +24,13 @@ class PluginError(RunFailure):
     line, exit 1, and what was written stays."""
 
 
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (its whitespace runs made single
+    spaces), or its type's name when it has none: for a one-line error
+    quoting what a library raised."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def implementers(pm, hook: str) -> str:
     """``'a', 'b'``: the plugins implementing ``hook`` (wrappers excluded), for
     a :class:`PluginError`'s message."""

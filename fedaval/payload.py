@@ -140,16 +140,16 @@ class FiniteCheck:
                 raise FloatingPointError(f"{path} holds {value if isinstance(value, float) else 'non-finite values'}")
 
 
-def merge_entries(results: list[dict[str, Any] | None], what: str, pm: Any = None, hook: str = "") -> dict[str, Any]:
-    """Merge hook results ``[{entry: value}, ...]``; a result that is not a
-    dict, or an entry named twice, is a bug in a plugin
-    (:class:`~fedaval.errors.PluginError`, naming the plugins that implement
-    ``hook`` when the plugin manager ``pm`` is given: pluggy's results do not
-    say which plugin returned which)."""
+def merge_entries(results: list[dict[str, Any] | None], what: str, pm: Any, hook: str) -> dict[str, Any]:
+    """Merge the results ``[{entry: value}, ...]`` of the plugin manager
+    ``pm``'s ``hook``; a result that is not a dict, or an entry named twice,
+    is a bug in a plugin (:class:`~fedaval.errors.PluginError`, naming the
+    plugins that implement ``hook``: pluggy's results do not say which plugin
+    returned which)."""
     from fedaval.errors import PluginError, implementers
 
     def by() -> str:
-        return f" ({hook} is implemented by {implementers(pm, hook)})" if pm is not None else ""
+        return f" ({hook} is implemented by {implementers(pm, hook)})"
 
     merged: dict[str, Any] = {}
     for result in results:

@@ -392,18 +392,12 @@ def dump(
     except (MemoryError, OSError):
         raise  # no room, not an object that cannot be pickled
     except Exception as exc:  # noqa: BLE001 - any refusal (a DataLoader iterator raises NotImplementedError)
+        from fedaval.errors import PluginError, one_line
+
         culprit = _unpicklable_plugin_attribute(obj) or _unpicklable_client_part(run, obj, extra)
         if culprit:  # a plugin's mistake: one line, not a traceback
-            from fedaval.errors import PluginError
-
-            raise PluginError(f"cannot save the run's state: {_one_line(exc)}{culprit}") from exc
-        raise TypeError(f"cannot save the run's state: {_one_line(exc)}") from exc
-
-
-def _one_line(exc: BaseException) -> str:
-    """``exc``'s message on one line, or its type's name when it has none."""
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
+            raise PluginError(f"cannot save the run's state: {one_line(exc)}{culprit}") from exc
+        raise TypeError(f"cannot save the run's state: {one_line(exc)}") from exc
 
 
 def _unpicklable_client_part(run: Run, obj: Any, extra: dict[str, Any] | None) -> str:

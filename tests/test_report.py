@@ -235,6 +235,21 @@ def test_the_papers_numbers_stand_beside_the_measured_ones(runs, tmp_path):
     ]
 
 
+def fedprox_paper_report(tmp_path: Path, runs: list[str], rows: str) -> list[dict]:
+    """``fedaval report`` of the runs ``tmp_path/<run>`` with ``--paper`` a
+    config of TINY_SETTING, FedProx's paper number 17.49 and the tables
+    ``rows`` (``[paper.runs]``...): report.csv's rows."""
+    paper = tmp_path / "paper.toml"
+    paper.write_text(TINY_SETTING + '[paper]\nsource = "a table"\n[paper.final_accuracy]\nFedProx = 17.49\n' + rows)
+    out = tmp_path / "rep"
+    result = CliRunner().invoke(
+        cli,
+        ["report", *(str(tmp_path / n) for n in runs), "--paper", str(paper), "--no-figures", "--out-dir", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    return list(csv.DictReader((out / "report.csv").open()))
+
+
 def test_a_rows_runs_at_the_papers_scale_are_that_row(tmp_path):
     """``[paper.full-scale.runs]`` gives a row's arguments at the paper's scale
     (GLDP's FedRep: 20 + 10 epochs instead of 2 + 1): runs made with them are
@@ -245,21 +260,13 @@ def test_a_rows_runs_at_the_papers_scale_are_that_row(tmp_path):
         run_training(
             tiny_run_config(tmp_path / name, seed=1, plugins=["fedprox"], plugin_options={"fedprox": {"mu": mu}})
         )
-    config = tmp_path / "paper.toml"
-    config.write_text(
-        TINY_SETTING + '[paper]\nsource = "a table"\n[paper.final_accuracy]\nFedProx = 17.49\n'
+    table = fedprox_paper_report(
+        tmp_path,
+        ["cpu", "full", "other"],
         '[paper.runs]\nFedProx = "-p fedprox -o fedprox.mu=0.01"\n'
         '[paper.full-scale]\nargs = "--local-epochs 30"\n'
-        '[paper.full-scale.runs]\nFedProx = "-p fedprox -o fedprox.mu=0.5"\n'
+        '[paper.full-scale.runs]\nFedProx = "-p fedprox -o fedprox.mu=0.5"\n',
     )
-    out = tmp_path / "rep"
-    result = CliRunner().invoke(
-        cli,
-        ["report", *(str(tmp_path / n) for n in ("cpu", "full", "other")), "--paper", str(config), "--no-figures"]
-        + ["--out-dir", str(out)],
-    )
-    assert result.exit_code == 0, result.output
-    table = list(csv.DictReader((out / "report.csv").open()))
     assert sorted((r["setting"], r["paper_row"]) for r in table) == [
         ("", "FedProx"),  # mu=0.01 is fedprox's default: the same setting as no mu at all
         ("fedprox.mu=0.2", ""),
@@ -293,19 +300,7 @@ def test_the_gpu_execution_paths_are_the_same_setting_and_bf16_is_not(tmp_path):
         data = results(tmp_path / name)
         data["config"] = {**data["config"], **changes}
         (tmp_path / name / "results.json").write_text(json.dumps(data))
-    paper = tmp_path / "paper.toml"
-    paper.write_text(
-        TINY_SETTING + '[paper]\nsource = "a table"\n[paper.final_accuracy]\nFedProx = 17.49\n'
-        '[paper.runs]\nFedProx = "-p fedprox"\n'
-    )
-    out = tmp_path / "rep"
-    result = CliRunner().invoke(
-        cli,
-        ["report", *(str(tmp_path / n) for n in ("plain", "gpu", "bf16")), "--paper", str(paper), "--no-figures"]
-        + ["--out-dir", str(out)],
-    )
-    assert result.exit_code == 0, result.output
-    table = list(csv.DictReader((out / "report.csv").open()))
+    table = fedprox_paper_report(tmp_path, ["plain", "gpu", "bf16"], '[paper.runs]\nFedProx = "-p fedprox"\n')
     assert sorted((r["setting"], r["paper_row"], r["final_accuracy_n"]) for r in table) == [
         ("precision=bf16", "", "1"),
         ("precision=fp32", "FedProx", "2"),

@@ -468,7 +468,6 @@ def limit(seconds: float | None, start: float):
 @cli.command("plugins")
 def list_plugins() -> None:
     """List installed method plugins, the hooks each implements and its options."""
-    from fedaval.options import describe_options
     from fedaval.plugin_manager import describe, hook_names, installed_plugins
 
     for name, ep in sorted(installed_plugins().items()):
@@ -480,16 +479,22 @@ def list_plugins() -> None:
         click.echo(f"{name}  {describe(obj)}")
         click.echo(f"    from: {ep.value}")
         click.echo(f"    hooks: {', '.join(hook_names(obj)) or '(none)'}")
-        for opt, typ, default, help_text in describe_options(getattr(obj, "Options", None)):
-            click.echo(f"    -o {name}.{opt}={default}  ({typ}) {help_text}")
+        _echo_options(name, obj)
     _list_avalanche_plugins()
+
+
+def _echo_options(prefix: str, obj: type) -> None:
+    """``-o <prefix>.<option>=<default>  (<type>) <help>``, a line per option of plugin class ``obj``."""
+    from fedaval.options import describe_options
+
+    for opt, typ, default, help_text in describe_options(getattr(obj, "Options", None)):
+        click.echo(f"    -o {prefix}.{opt}={default}  ({typ}) {help_text}")
 
 
 def _list_avalanche_plugins() -> None:
     """The ``avalanche:<Class>`` plugins checked to work federated, with
     their options (docs/methods.md says how each was checked and why the
     others are refused)."""
-    from fedaval.options import describe_options
     from fedaval.plugin_manager import describe
     from fedaval.plugins.avalanche_bridge import CHECKED, REFUSED, avalanche_plugin_class
 
@@ -500,8 +505,7 @@ def _list_avalanche_plugins() -> None:
             click.echo(f"avalanche:{class_name}  (cannot be loaded: {exc})")
             continue
         click.echo(f"avalanche:{class_name}  {describe(obj)}")
-        for opt, typ, default, help_text in describe_options(getattr(obj, "Options", None)):
-            click.echo(f"    -o avalanche.{opt}={default}  ({typ}) {help_text}")
+        _echo_options("avalanche", obj)
     click.echo(f"refused (docs/methods.md says why): {', '.join(f'avalanche:{name}' for name in sorted(REFUSED))}")
 
 

@@ -54,7 +54,7 @@ import typing
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from fedaval import hookimpl
-from fedaval.errors import FedavalUsageError
+from fedaval.errors import FedavalUsageError, one_line
 from fedaval.options import CHECK_TEXT, at_least_one, non_negative, option, positive, unit_interval
 from fedaval.plugin import Plugin
 from fedaval.stash import StashKey
@@ -421,9 +421,9 @@ class GenericBridge(AvalancheBridge):
         except (AssertionError, ValueError, TypeError) as exc:
             defaults = type(self.options)()
             given = [f"{k}={v!r}" for k, v in kwargs.items() if v != getattr(defaults, k)]
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise FedavalUsageError(
-                f"avalanche:{self.avalanche_class} refuses its options ({', '.join(given) or 'the defaults'}): {reason}"
+                f"avalanche:{self.avalanche_class} refuses its options ({', '.join(given) or 'the defaults'}): "
+                f"{one_line(exc)}"
             ) from None
         if self.avalanche_class not in CHECKED:
             import logging
