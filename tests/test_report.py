@@ -235,6 +235,15 @@ def test_the_papers_numbers_stand_beside_the_measured_ones(runs, tmp_path):
     ]
 
 
+def test_a_setting_shows_booleans_as_a_command_line_writes_them():
+    """``fedprok.translation=false``, not Python's ``False`` (until session 36
+    a report's setting column and an unknown plugin's compared text differed
+    from what ``-o`` takes)."""
+    from fedaval.report import _as_text
+
+    assert (_as_text(False), _as_text(True), _as_text(0.5), _as_text([1, 2])) == ("false", "true", "0.5", "1,2")
+
+
 def fedprox_paper_report(tmp_path: Path, runs: list[str], rows: str) -> list[dict]:
     """``fedaval report`` of the runs ``tmp_path/<run>`` with ``--paper`` a
     config of TINY_SETTING, FedProx's paper number 17.49 and the tables
